@@ -1,0 +1,117 @@
+"""KV blocks, their reference counts and an O(1) free list.
+
+A block is free when its ref count is 0. Free blocks sit in `_free` in eviction order (front
+first). A free block may still carry a hash (its K/V is valid and can be reused by a prefix hit):
+such blocks are "cached-free"; they are handed out only after the blocks without a hash, and in
+LRU order among themselves.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Two queues keep "reuse blocks without a hash first" O(1): uncached first, then cached LRU.
+        self._free_uncached: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self.hash_to_block: dict[bytes, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now (including cached-free ones, which get evicted)."""
+        return len(self._free_uncached) + len(self._free_cached)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._free_cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} KV blocks with {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            if self._free_uncached:
+                block_id, _ = self._free_uncached.popitem(last=False)
+            else:
+                block_id, _ = self._free_cached.popitem(last=False)
+                self._evict_hash(self.blocks[block_id])
+            block = self.blocks[block_id]
+            assert block.ref_count == 0
+            block.ref_count = 1
+            out.append(block_id)
+        return out
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block; blocks reaching 0 go to the back of the free queue.
+
+        Callers pass a request's blocks in table order; freeing in reverse makes a chain's tail
+        evicted before its head.
+        """
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"double free of block {block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                queue = self._free_cached if block.block_hash is not None else self._free_uncached
+                queue[block_id] = None
+
+    def touch(self, block_id: int) -> None:
+        """Take one more reference to a block (a prefix-cache hit), reviving it if free."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self._free_cached.pop(block_id, None)
+            self._free_uncached.pop(block_id, None)
+        block.ref_count += 1
+
+    def register_hash(self, block_id: int, block_hash: bytes) -> None:
+        """Record that a full block holds the tokens named by `block_hash`."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self.hash_to_block:
+            return  # already cached (same content elsewhere): keep the first copy
+        block.block_hash = block_hash
+        self.hash_to_block[block_hash] = block_id
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.hash_to_block.get(block_hash)
+
+    def _evict_hash(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self.hash_to_block[block.block_hash]
+            block.block_hash = None
+
+    def reset_cache(self) -> None:
+        """Forget every cached hash of a free block (their K/V will be overwritten)."""
+        while self._free_cached:
+            block_id, _ = self._free_cached.popitem(last=False)
+            self._evict_hash(self.blocks[block_id])
+            self._free_uncached[block_id] = None
+
+    def check_invariants(self) -> None:
+        free_ids = set(self._free_uncached) | set(self._free_cached)
+        assert len(free_ids) == len(self._free_uncached) + len(self._free_cached), "block in both free queues"
+        for block in self.blocks:
+            assert (block.ref_count == 0) == (block.block_id in free_ids), f"block {block.block_id} state"
+            assert block.ref_count >= 0
+            if block.block_id in self._free_cached:
+                assert block.block_hash is not None
+            if block.block_hash is not None:
+                assert self.hash_to_block[block.block_hash] == block.block_id
+        assert len(self.hash_to_block) == sum(b.block_hash is not None for b in self.blocks)

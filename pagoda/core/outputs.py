@@ -1,0 +1,51 @@
+"""The contract between the scheduler (core) and the model runner (worker)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagoda.request import Request
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step: tokens [start_pos, start_pos + num_new_tokens)."""
+
+    request: Request
+    num_new_tokens: int
+    start_pos: int  # == request.num_computed_tokens when scheduled
+    block_table: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step brings the request up to date, so its last logits give a new token."""
+        return self.start_pos + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)  # batch order: decodes first, then prompt chunks
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, SampledToken] = field(default_factory=dict)  # only requests whose step samples
+    # Per request asking for prompt logprobs: (index of the first prompt token covered, one dict per
+    # prompt token from there on) for the prompt positions computed this step.
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)

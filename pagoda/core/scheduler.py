@@ -1,0 +1,177 @@
+"""Iteration-level scheduler: rebuilds the batch at every model step.
+
+One rule: each request has `num_tokens` (prompt + output) and `num_computed_tokens` (in the KV
+cache). Each step hands out a token budget so that computed catches up with total. Order:
+1. running requests one token behind (decodes), in priority order;
+2. running requests further behind (prompt chunks, or recomputation after preemption);
+3. waiting requests, in (priority, preempted-first, arrival) order, while the budget, the
+   sequence limit and the KV cache allow.
+When a running request cannot get a block, the lowest-priority, latest-arrived running request is
+preempted (its blocks freed, requeued in front of its priority class, recomputed later); it may be
+the request itself. A request alone always fits (admission guarantees prompt + output <= cache), so
+the highest-priority oldest request always makes progress: no deadlock.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+from pagoda.config import SchedulerConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.outputs import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
+from pagoda.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # kept sorted by _waiting_key
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+    @staticmethod
+    def _waiting_key(req: Request) -> tuple[int, int, float, str]:
+        return (req.priority, 0 if req.status is RequestStatus.PREEMPTED else 1, req.arrival_time,
+                req.request_id)
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        bisect.insort(self.waiting, req, key=self._waiting_key)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request now (abort, stop string): free its blocks, drop it from the queues."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status
+        return req
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        scheduled: dict[str, ScheduledSeq] = {}
+        budget = self.config.max_num_batched_tokens
+        running = sorted(self.running, key=Request.sort_key)
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        chunks = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + chunks:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            ok, returned = self._allocate_or_preempt(req, n, scheduled, out)
+            budget += returned  # tokens of victims that had been scheduled earlier in this step
+            if ok:
+                scheduled[req.request_id] = ScheduledSeq(req, n, req.num_computed_tokens,
+                                                         self.kv.block_table(req.request_id))
+                budget -= n
+        self._schedule_waiting(budget, scheduled)
+        out.seqs = list(scheduled.values())
+        return out
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, ScheduledSeq]) -> int:
+        used = 0
+        while self.waiting and budget - used > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget - used)
+            if not self.kv.allocate_slots(req, n):
+                break  # never preempt running work for a waiting request
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = ScheduledSeq(req, n, req.num_computed_tokens,
+                                                     self.kv.block_table(req.request_id))
+            used += n
+        return used
+
+    def _allocate_or_preempt(self, req: Request, n: int, scheduled: dict[str, ScheduledSeq],
+                             out: SchedulerOutput) -> tuple[bool, int]:
+        """Allocate blocks for `req`, preempting victims until it fits.
+
+        Returns (False if `req` itself was preempted, tokens given back by preempted victims).
+        """
+        returned = 0
+        while not self.kv.allocate_slots(req, n):
+            victim = max(self.running, key=Request.sort_key)
+            seq = scheduled.pop(victim.request_id, None)
+            returned += seq.num_new_tokens if seq else 0
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False, returned
+        return True, returned
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=self._waiting_key)
+
+    # ---- after the model ran ------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[tuple[Request, SampledToken]]:
+        """Advance computed counts, append sampled tokens, finish requests; returns new tokens."""
+        new_tokens: list[tuple[Request, SampledToken]] = []
+        for seq in sched.seqs:
+            req = seq.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += seq.num_new_tokens
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token.token_id)
+            new_tokens.append((req, token))
+            status = self._check_stop(req, token.token_id)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+        return new_tokens
+
+    @staticmethod
+    def _check_stop(req: Request, token_id: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token_id in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop_token_ids and token_id in p.stop_token_ids:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= req.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        done = []
+        for rid in request_ids:
+            req = self.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                done.append(req)
+        return done

@@ -1,0 +1,192 @@
+"""LLMEngine: add_request / abort_request / step over scheduler, model runner and output processor."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from pagoda.config import EngineConfig
+from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
+from pagoda.core.scheduler import Scheduler
+from pagoda.engine.output_processor import ParentState, new_parent
+from pagoda.layers.attention import get_attention_backend
+from pagoda.model.loader import load_model
+from pagoda.outputs import RequestOutput
+from pagoda.request import Request, RequestStatus
+from pagoda.sampling_params import SamplingParams
+from pagoda.worker.kv_cache import KVCachePlan, allocate_kv_cache, default_kv_cache_memory, plan_kv_cache
+from pagoda.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engine found out at start-up (never written back into the config)."""
+
+    max_model_len: int
+    max_request_tokens: int  # prompt + output of one request: max_model_len, or less if the cache is smaller
+    kv: KVCachePlan
+
+
+@dataclass
+class EngineStats:
+    num_prompt_tokens_computed: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        loaded = load_model(mc.model, mc.torch_dtype, get_attention_backend("torch"), mc.max_model_len)
+        self.model, self.arch, self.tokenizer = loaded.model, loaded.arch, loaded.tokenizer
+        budget = config.cache.kv_cache_memory or default_kv_cache_memory()
+        plan = plan_kv_cache(self.arch, mc.torch_dtype, config.cache.block_size, budget)
+        max_model_len = mc.max_model_len or self.arch.max_position_embeddings
+        self.limits = EngineLimits(max_model_len, min(max_model_len, plan.num_tokens), plan)
+        self.kv = KVCacheManager(plan.num_blocks, plan.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(self.model, allocate_kv_cache(self.arch, plan, mc.torch_dtype), plan.block_size)
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, str] = {}
+        self.stats = EngineStats()
+        self._rng = random.Random(mc.seed)
+        self._log_startup(loaded.path.name)
+
+    def _log_startup(self, name: str) -> None:
+        p, lim = self.limits.kv, self.limits
+        logger.info("model %s (%s, %d layers, %d kv heads x %d), dtype %s", name, self.arch.model_type,
+                    self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim, self.config.model.torch_dtype)
+        logger.info("KV cache: %.1f MiB budget, %d bytes/token, %d blocks of %d tokens = %d tokens; "
+                    "max concurrency at max_model_len %d: %.2f", p.budget_bytes / 2**20, p.bytes_per_token,
+                    p.num_blocks, p.block_size, p.num_tokens, lim.max_model_len, p.max_concurrency(lim.max_model_len))
+        if lim.max_request_tokens < lim.max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: one request is "
+                           "limited to %d tokens", p.num_tokens, lim.max_model_len, lim.max_request_tokens)
+
+    # ---- requests -----------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.arch.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """Validate and queue a request; raises ValueError (naming the field) and queues nothing if bad."""
+        if request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        self._check_prompt(ids)
+        params.check_vocab(self.arch.vocab_size)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(child_id, ids, params, self.tokenizer.eos_token_ids,
+                                    self.limits.max_request_tokens, priority, arrival, seed))
+        self.parents[request_id] = new_parent(request_id, text, ids, params, children, self.tokenizer)
+        for child in children:
+            self.child_to_parent[child.request_id] = request_id
+            self.scheduler.add_request(child)
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        lim = self.limits
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= lim.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens but max_model_len is {lim.max_model_len}: a prompt "
+                             f"must be shorter than max_model_len to leave room for output")
+        if len(ids) >= lim.max_request_tokens:
+            raise ValueError(f"prompt is {len(ids)} tokens; the whole KV cache holds {lim.kv.num_tokens} tokens "
+                             f"({lim.kv.num_blocks} blocks), so it could never run with room to generate")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its samples) at any time; its blocks are freed at once."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for seq in parent.seqs:
+            self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_ABORTED)
+            self.child_to_parent.pop(seq.request.request_id, None)
+            seq.finish(RequestStatus.FINISHED_ABORTED)
+        return parent.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; returns outputs of the requests that produced tokens or finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            # Admission guarantees a lone request fits, so an empty step with work queued is a bug.
+            assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests queued"
+            return []
+        now = time.monotonic()
+        for seq in sched.seqs:
+            seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
+            self.stats.num_prompt_tokens_computed += max(
+                0, min(seq.start_pos + seq.num_new_tokens, seq.request.num_prompt_tokens) - seq.start_pos)
+        result = self.runner.execute(sched)
+        new_tokens = self.scheduler.update(sched, result)
+        self.stats.num_steps += 1
+        self.stats.num_generation_tokens += len(new_tokens)
+        touched: dict[str, ParentState] = {}
+        for child_id, (first, entries) in result.prompt_logprobs.items():
+            parent = self.parents[self.child_to_parent[child_id]]
+            if parent.seqs[0].request.request_id == child_id:
+                parent.add_prompt_logprobs(first, entries)
+        now = time.monotonic()
+        for req, token in new_tokens:
+            parent = self.parents[self.child_to_parent[req.request_id]]
+            seq = next(s for s in parent.seqs if s.request is req)
+            req.metrics.first_token_time = req.metrics.first_token_time or now
+            if seq.add_token(token):  # a stop string matched
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            elif req.is_finished:
+                seq.finish(req.status)
+            if req.is_finished:
+                req.metrics.finished_time = now
+            touched[parent.request_id] = parent
+        return self._collect(touched)
+
+    def _collect(self, touched: dict[str, ParentState]) -> list[RequestOutput]:
+        outputs = []
+        for parent in touched.values():
+            outputs.append(parent.output())
+            if parent.finished:
+                del self.parents[parent.request_id]
+                for seq in parent.seqs:
+                    self.child_to_parent.pop(seq.request.request_id, None)
+        return outputs
+
+    # ---- introspection ------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, int | float]:
+        pool = self.kv.pool
+        return {
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_in_use": pool.num_used_blocks,
+            "kv_blocks_cached": pool.num_cached_free_blocks,
+            "kv_blocks_free": pool.num_free_blocks,
+            "kv_cache_usage": pool.num_used_blocks / pool.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "num_prompt_tokens_computed": self.stats.num_prompt_tokens_computed,
+            "num_generation_tokens": self.stats.num_generation_tokens,
+            "num_steps": self.stats.num_steps,
+        }
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.kv.block_size)

@@ -1,0 +1,94 @@
+"""Request state as the scheduler sees it: tokens, how many are in the KV cache, status, timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class Request:
+    """One sequence being generated. `num_tokens - num_computed_tokens` is what it still needs."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_total_tokens: int  # prompt + output may not pass this (max_model_len or the cache's capacity)
+    priority: int = 0  # lower runs sooner
+    arrival_time: float = field(default_factory=time.monotonic)
+    seed: int = 0  # seeds this request's own generator (params.seed, or one drawn by the engine)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self._generator: Any = None
+
+    @property
+    def generator(self) -> Any:
+        """This request's own torch.Generator, made on first use (keeps core/ free of torch)."""
+        if self._generator is None:
+            import torch
+
+            self._generator = torch.Generator().manual_seed(self.seed)
+        return self._generator
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids in [start, end) over prompt + output."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def sort_key(self) -> tuple[int, float, str]:
+        """Scheduling order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival_time, self.request_id)

@@ -1,0 +1,105 @@
+"""SchedulerOutput -> input tensors + AttentionMetadata -> forward -> logits -> sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.core.outputs import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
+from pagoda.layers.attention import AttentionMetadata
+from pagoda.layers.sampler import Sampler, SamplingRow, prompt_logprobs
+from pagoda.model.llama import LlamaForCausalLM
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    meta: AttentionMetadata
+    sample_rows: list[int]  # row of the last token of each sampling sequence
+    sample_seqs: list[ScheduledSeq]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = Sampler()
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        pos_parts, slot_parts, tables = [], [], []
+        query_start_loc, seq_lens = [0], []
+        sample_rows, sample_seqs = [], []
+        for seq in sched.seqs:
+            start, n = seq.start_pos, seq.num_new_tokens
+            ids.extend(seq.request.token_ids(start, start + n))
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            pos = torch.arange(start, start + n)
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            tables.append(table)
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(start + n)
+            if seq.samples:
+                sample_rows.append(query_start_loc[-1] - 1)
+                sample_seqs.append(seq)
+        decode_idx = [i for i, s in enumerate(sched.seqs) if s.num_new_tokens == 1]
+        prefill_idx = [i for i, s in enumerate(sched.seqs) if s.num_new_tokens > 1]
+        max_blocks = max((len(tables[i]) for i in decode_idx), default=0)
+        decode_tables = torch.zeros((len(decode_idx), max_blocks), dtype=torch.long)
+        for row, i in enumerate(decode_idx):
+            decode_tables[row, : len(tables[i])] = tables[i]
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_parts),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            decode_idx=decode_idx,
+            decode_rows=torch.tensor([query_start_loc[i] for i in decode_idx], dtype=torch.long),
+            decode_block_tables=decode_tables,
+            decode_seq_lens=torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.long),
+            prefill_idx=prefill_idx,
+        )
+        return StepInputs(torch.tensor(ids, dtype=torch.long), torch.cat(pos_parts), meta,
+                          sample_rows, sample_seqs)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        inputs = self.prepare(sched)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        out = ModelRunnerOutput()
+        if inputs.sample_rows:
+            logits = self._logits(hidden[inputs.sample_rows])
+            rows = [SamplingRow(params=s.request.params, generator=s.request.generator,
+                                prompt_token_ids=s.request.prompt_token_ids,
+                                output_token_ids=s.request.output_token_ids,
+                                eos_token_ids=s.request.eos_token_ids) for s in inputs.sample_seqs]
+            sampled = self.sampler(logits, rows)
+            for i, s in enumerate(inputs.sample_seqs):
+                out.sampled[s.request.request_id] = SampledToken(
+                    sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
+        self._prompt_logprobs(sched, inputs, hidden, out)
+        return out
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.compute_logits(hidden)
+        return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
+                         out: ModelRunnerOutput) -> None:
+        """Logprobs of prompt tokens: the logits at position i score prompt token i + 1."""
+        for i, seq in enumerate(sched.seqs):
+            req = seq.request
+            k = req.params.prompt_logprobs
+            last = min(seq.start_pos + seq.num_new_tokens, req.num_prompt_tokens - 1)
+            if k is None or seq.start_pos >= last:
+                continue
+            row0 = inputs.meta.query_start_loc[i]
+            logits = self._logits(hidden[row0: row0 + last - seq.start_pos])
+            targets = torch.tensor(req.prompt_token_ids[seq.start_pos + 1: last + 1], dtype=torch.long)
+            out.prompt_logprobs[req.request_id] = (seq.start_pos + 1, prompt_logprobs(logits, targets, k))
