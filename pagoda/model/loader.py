@@ -77,6 +77,16 @@ def _read_source(path: Path) -> tuple[dict[str, Any], Tokenizer, Iterator[tuple[
     return hf_config, Tokenizer.from_hf_folder(path), _iter_safetensors(path)
 
 
+def load_arch(name: str) -> ArchConfig:
+    """The architecture of a model, without loading its weights (for kv-calc and planning)."""
+    path = resolve_model_path(name)
+    if path.suffix == ".gguf":
+        from pagoda.model.gguf_loader import load_gguf
+
+        return ArchConfig.from_hf(load_gguf(path).hf_config)
+    return ArchConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
 def load_model(name: str, dtype: torch.dtype, backend: AttentionBackend, max_positions: int | None = None
                ) -> LoadedModel:
     path = resolve_model_path(name)

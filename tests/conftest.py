@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny random HF models saved to a temp folder, and a greedy HF reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+TINY_VOCAB = 300  # 256 byte tokens + a few specials + spare ids
+
+
+def write_byte_tokenizer(folder: Path) -> None:
+    """A byte-level tokenizer (no merges): any text encodes, ids < 256 are bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])  # ids 256, 257
+    tok.save(str(folder / "tokenizer.json"))
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}))
+
+
+ARCHS: dict[str, dict[str, Any]] = {
+    # GQA, untied, llama3 rope scaling
+    "llama": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # MHA with q/k/v biases, tied embeddings
+    "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    # MQA with q/k RMSNorm and an explicit head_dim
+    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                  tie_word_embeddings=False),
+}
+
+
+def make_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(ARCHS[arch])
+    model_type = spec.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                               bos_token_id=256, eos_token_id=257, initializer_range=0.2, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    if arch == "qwen2":  # biases start at zero: make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.2)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session", params=sorted(ARCHS))
+def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    arch = request.param
+    return arch, make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
+
+
+@torch.inference_mode()
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from a HF model, with its own KV cache."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens, logprobs = [], []
+    for _ in range(max_new_tokens):
+        logp = torch.log_softmax(out.logits[0, -1].double(), dim=-1)
+        tok = int(torch.argmax(out.logits[0, -1]))
+        tokens.append(tok)
+        logprobs.append(float(logp[tok]))
+        out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, logprobs

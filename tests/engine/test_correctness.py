@@ -1,0 +1,75 @@
+"""Greedy token ids identical to HF transformers on tiny random Llama / Qwen2 / Qwen3 models.
+
+Three ways through the engine: one prompt at a time; all together under a small token budget
+(chunked prefill mixed with decodes); and with a KV cache too small for all of them (preemption).
+Compared in float64 so that near-ties cannot flip a token.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.model.llama import ArchConfig
+from tests.conftest import hf_greedy
+
+PROMPT_LENS = [1, 5, 17, 33, 64, 130, 300, 600]
+MAX_NEW = 12
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(1234)
+    return [[rng.randrange(256) for _ in range(n)] for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: tuple[str, Path]) -> list[tuple[list[int], list[float]]]:
+    from transformers import AutoModelForCausalLM
+
+    _, folder = tiny_model
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    return [hf_greedy(model, p, MAX_NEW) for p in prompts()]
+
+
+def greedy_params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+
+
+def check(outputs: list, reference: list[tuple[list[int], list[float]]]) -> None:
+    for i, (out, (ref_tokens, ref_logprobs)) in enumerate(zip(outputs, reference, strict=True)):
+        assert out.token_ids == ref_tokens, f"prompt {i} ({PROMPT_LENS[i]} tokens)"
+        got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
+        # HF computes RMSNorm and rope angles in float32 even for a float64 model; we stay in float64.
+        assert got == pytest.approx(ref_logprobs, abs=1e-5), f"prompt {i} logprobs"
+        assert out.finish_reason == "length"
+
+
+def test_one_at_a_time(tiny_model: tuple[str, Path], reference: list) -> None:
+    llm = LLM(str(tiny_model[1]), dtype="float64")
+    outputs = [llm.generate([p], greedy_params(), use_tqdm=False)[0] for p in prompts()]
+    check(outputs, reference)
+    assert llm.get_metrics()["kv_blocks_in_use"] == 0
+
+
+def test_all_together_with_chunked_prefill(tiny_model: tuple[str, Path], reference: list) -> None:
+    llm = LLM(str(tiny_model[1]), dtype="float64", max_num_batched_tokens=48)
+    outputs = llm.generate(prompts(), greedy_params(), use_tqdm=False)
+    check(outputs, reference)
+    assert llm.get_metrics()["num_steps"] > sum(PROMPT_LENS) // 48  # prompts really were chunked
+    assert llm.get_metrics()["kv_blocks_in_use"] == 0
+
+
+def test_all_together_with_preemption(tiny_model: tuple[str, Path], reference: list) -> None:
+    arch = ArchConfig.from_hf(json.loads((tiny_model[1] / "config.json").read_text()))
+    budget = arch.kv_bytes_per_token(8) * 800  # 50 blocks of 16: the longest fits, not all at once
+    llm = LLM(str(tiny_model[1]), dtype="float64", kv_cache_memory=budget, max_num_batched_tokens=256)
+    outputs = llm.generate(prompts(), greedy_params(), use_tqdm=False)
+    check(outputs, reference)
+    metrics = llm.get_metrics()
+    assert metrics["num_preemptions"] > 0
+    assert metrics["kv_blocks_in_use"] == 0
