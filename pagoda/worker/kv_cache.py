@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagoda.model.llama import ArchConfig
@@ -68,7 +69,13 @@ def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K, V), each (num_blocks, block_size, num_kv_heads, head_dim), zeroed.
 
-    Zeroed, not empty: padded decode gathers read unused slots, and garbage could hold NaNs.
+    Zeroed, not empty: padded decode gathers read unused slots, and garbage could hold NaNs. The
+    memory comes from one calloc'd numpy buffer, so the kernel hands out zero pages lazily instead
+    of us writing gigabytes of zeros at start-up.
     """
     shape = (plan.num_blocks, plan.block_size, arch.num_kv_heads, arch.head_dim)
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_tensor = plan.num_blocks * plan.block_size * arch.num_kv_heads * arch.head_dim
+    flat = torch.from_numpy(np.zeros(2 * arch.num_layers * per_tensor * elem, dtype=np.uint8)).view(dtype)
+    caches = flat.view(arch.num_layers, 2, *shape)
+    return [(caches[i, 0], caches[i, 1]) for i in range(arch.num_layers)]
