@@ -150,12 +150,12 @@ class LLMEngine:
         now = time.monotonic()
         for req, token in new_tokens:
             parent = self.parents[self.child_to_parent[req.request_id]]
-            seq = next(s for s in parent.seqs if s.request is req)
+            state = next(s for s in parent.seqs if s.request is req)
             req.metrics.first_token_time = req.metrics.first_token_time or now
-            if seq.add_token(token):  # a stop string matched
+            if state.add_token(token):  # a stop string matched
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             elif req.is_finished:
-                seq.finish(req.status)
+                state.finish(req.status)
             if req.is_finished:
                 req.metrics.finished_time = now
             touched[parent.request_id] = parent

@@ -57,10 +57,10 @@ class LLM:
                 params[i].check_vocab(self.engine.arch.vocab_size)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        ids = [f"offline-{next(self._ids)}" for _ in items]
-        for rid, prompt, p, prio in zip(ids, items, params, priorities, strict=True):
+        request_ids = [f"offline-{next(self._ids)}" for _ in items]
+        for rid, prompt, p, prio in zip(request_ids, items, params, priorities, strict=True):
             self.engine.add_request(rid, prompt, p, priority=prio)
-        return self._run(ids, use_tqdm)
+        return self._run(request_ids, use_tqdm)
 
     @staticmethod
     def _per_prompt(name: str, value: Any, n: int) -> list[Any]:

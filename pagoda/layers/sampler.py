@@ -1,0 +1,273 @@
+"""Sampler: turns one step's logits into one token per request, following vLLM's semantics.
+
+Order of processing for each row (as vLLM does it):
+  1. logit_bias is added;
+  2. while fewer than min_tokens tokens have been generated, EOS ids and stop_token_ids get -inf
+     (EOS is blocked whether or not ignore_eos is set; the caller passes the ids to block);
+  3. repetition penalty (HF/vLLM style, over prompt + output tokens: positive logits are divided by
+     it, negative ones multiplied), then frequency and presence penalties (OpenAI style, over output
+     tokens only);
+  4. greedy rows (temperature 0) take the argmax (ties: lowest id) and draw nothing from their
+     generator; random rows are divided by their temperature, filtered by top-k, then top-p (on the
+     renormalised top-k distribution), then min-p (vLLM v0's order; v1 applies min-p first), and
+     sampled by inverse CDF with one uniform draw from the request's own generator, so that a seed
+     gives the same tokens whatever else is in the batch.
+
+Returned logprobs are those of the raw model distribution (log_softmax of the logits as given,
+before bias, penalties and temperature), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One request's row of logits this step."""
+
+    params: SamplingParams
+    generator: torch.Generator  # owned by the request: seeded from params.seed, or randomly
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens generated so far, before this step
+    eos_token_ids: frozenset[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # raw logprob of each chosen token
+    # when params.logprobs is not None: the chosen token and the top-N raw logprobs; else None
+    top_logprobs: list[dict[int, float] | None]
+
+
+def _needs_logit_processing(row: SamplingRow) -> bool:
+    """Whether the row has any bias, min_tokens block or penalty to apply this step."""
+    p = row.params
+    return bool(
+        p.logit_bias
+        or len(row.output_token_ids) < p.min_tokens
+        or p.repetition_penalty != 1.0
+        or p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+    )
+
+
+def _process_row(logits: torch.Tensor, row: SamplingRow) -> None:
+    """Applies bias, min_tokens and penalties to one row of logits (vocab,), in place."""
+    p, vocab, device = row.params, logits.shape[0], logits.device
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=device)
+        bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device)
+        logits.index_add_(0, ids, bias)
+    if len(row.output_token_ids) < p.min_tokens:
+        blocked = [t for t in row.eos_token_ids.union(p.stop_token_ids or []) if t < vocab]
+        if blocked:
+            logits[torch.tensor(blocked, dtype=torch.long, device=device)] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        seen = [*row.prompt_token_ids, *row.output_token_ids]
+        if seen:
+            ids = torch.tensor(seen, dtype=torch.long, device=device).unique()
+            vals = logits[ids]
+            logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and len(row.output_token_ids) > 0:
+        out = torch.tensor(list(row.output_token_ids), dtype=torch.long, device=device)
+        ids, counts = out.unique(return_counts=True)
+        # logits -= frequency * count + presence * (count > 0)
+        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+
+
+def apply_logit_processing(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Bias, min_tokens and penalties for logits (num_rows, vocab), before temperature.
+
+    Returns the input tensor itself when no row needs any of them, else a processed copy: the
+    caller's tensor is never modified, and rows without bias or penalty cost nothing.
+    """
+    todo = [i for i, r in enumerate(rows) if _needs_logit_processing(r)]
+    if not todo:
+        return logits
+    processed = logits.clone()
+    for i in todo:
+        _process_row(processed[i], rows[i])
+    return processed
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keeps the top_k (r,) best tokens of each row of logits (r, vocab), without a full sort.
+
+    Ties at the k-th value go to the lowest ids (as a stable sort would), so top_k == 1 keeps
+    exactly the token argmax picks.
+    """
+    kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))  # (r, 1)
+    above = logits > kth
+    ties = logits == kth
+    room = top_k.unsqueeze(1) - above.sum(dim=-1, keepdim=True)  # how many tied tokens still fit
+    keep = above | (ties & (ties.cumsum(dim=-1) <= room))
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Filters rows of logits (r, vocab) to their top_k (r,) tokens, then to their nucleus top_p (r,)
+    computed on the renormalised top-k distribution (as vLLM does).
+
+    A stable descending sort puts tied logits in id order, like _apply_top_k. top_k >= vocab
+    disables top-k; top_p == 1 disables top-p.
+    """
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # (r, vocab)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)  # (vocab,)
+    sorted_logits.masked_fill_(ranks.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of all better-ranked tokens
+    # The top token always has mass_before == 0 < top_p, so at least one token survives.
+    sorted_logits.masked_fill_(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens whose probability is below min_p (r,) times the row's top probability."""
+    probs = logits.softmax(dim=-1)  # (r, vocab)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """top-k, top-p then min-p on temperature-scaled logits (r, vocab), in place where it can.
+
+    Only the rows that ask for a filter pay for it; top-p rows need a full sort, top-k-only rows
+    do not.
+    """
+    device, dtype, vocab = logits.device, logits.dtype, logits.shape[-1]
+
+    def index(ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=device)
+
+    def k_of(row: SamplingRow) -> int:
+        return row.params.top_k if 0 < row.params.top_k < vocab else vocab
+
+    p_rows = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
+    if p_rows:
+        top_k = torch.tensor([k_of(rows[i]) for i in p_rows], device=device)
+        top_p = torch.tensor([rows[i].params.top_p for i in p_rows], dtype=dtype, device=device)
+        idx = index(p_rows)
+        logits[idx] = _apply_top_k_top_p(logits[idx], top_k, top_p)
+    k_rows = [i for i, r in enumerate(rows) if k_of(r) < vocab and r.params.top_p == 1.0]
+    if k_rows:
+        top_k = torch.tensor([k_of(rows[i]) for i in k_rows], device=device)
+        idx = index(k_rows)
+        logits[idx] = _apply_top_k(logits[idx], top_k)
+    m_rows = [i for i, r in enumerate(rows) if r.params.min_p > 0.0]
+    if m_rows:
+        min_p = torch.tensor([rows[i].params.min_p for i in m_rows], dtype=dtype, device=device)
+        idx = index(m_rows)
+        logits[idx] = _apply_min_p(logits[idx], min_p)
+    return logits
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Samples one token per row of logits (r, vocab) for non-greedy rows; returns ids (r,)."""
+    device, dtype = logits.device, logits.dtype
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=dtype, device=device)
+    probs = _filter(logits / temps.unsqueeze(1), rows).softmax(dim=-1)  # (r, vocab)
+    # Inverse-CDF sampling with one uniform draw per row from the row's own generator, so the
+    # tokens depend only on the request's seed and its own logits, not on the rest of the batch.
+    # (One draw per row instead of one per vocab entry: far cheaper on CPU.)
+    u = torch.stack([
+        torch.rand((), dtype=torch.float64, generator=r.generator, device=r.generator.device) for r in rows
+    ]).to(device)  # (r,) in [0, 1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (r, vocab), non-decreasing
+    total = cdf[:, -1:].contiguous()  # (r, 1), ~1 up to rounding
+    # First index whose cdf exceeds u * total: a token with probability 0 never has a cdf step.
+    ids = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
+    # u * total can round up to total: fall back to the last token with probability > 0.
+    return torch.minimum(ids, torch.searchsorted(cdf, total)).squeeze(1)
+
+
+def _logprob_dicts(
+    logits: torch.Tensor, chosen_ids: torch.Tensor, nums: list[int]
+) -> list[dict[int, float]]:
+    """For rows of logits (r, vocab) and chosen ids (r,): {chosen: logprob, then the row's top nums[i]}.
+
+    The chosen token comes first (as in vLLM); a top token equal to it is not repeated. Logprobs
+    are logit - logsumexp, the same arithmetic as SamplerOutput.logprobs, so the values agree.
+    """
+    logprobs = logits - logits.logsumexp(dim=-1, keepdim=True)  # (r, vocab)
+    chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
+    max_n = min(max(nums, default=0), logprobs.shape[-1])
+    top_vals, top_ids = logprobs.topk(max_n, dim=-1)  # (r, max_n), best first
+    out: list[dict[int, float]] = []
+    rows = zip(chosen_ids.tolist(), chosen, top_ids.tolist(), top_vals.tolist(), nums, strict=True)
+    for token, lp, ids, vals, n in rows:
+        entry = {token: lp}
+        entry.update((t, v) for t, v in zip(ids[:n], vals[:n], strict=True) if t not in entry)
+        out.append(entry)
+    return out
+
+
+def _top_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
+) -> list[dict[int, float] | None]:
+    """The chosen token and the top-N raw logprobs, for the rows that ask for logprobs (only
+    those rows pay for a full log_softmax)."""
+    out: list[dict[int, float] | None] = [None] * len(rows)
+    asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if asked:
+        idx = torch.tensor(asked, dtype=torch.long, device=logits.device)
+        nums = [rows[i].params.logprobs or 0 for i in asked]
+        entries = _logprob_dicts(logits[idx], token_ids[idx], nums)
+        for i, entry in zip(asked, entries, strict=True):
+            out[i] = entry
+    return out
+
+
+def _row_index(rows: list[int], num_rows: int, device: torch.device) -> torch.Tensor | slice:
+    """An index for the given rows: a plain slice (a view, no copy) when it is all of them."""
+    if len(rows) == num_rows:
+        return slice(None)
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+class Sampler:
+    """Stateless: everything a row needs (params, generator, history) comes in its SamplingRow."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits (num_rows, vocab), float32 or float64 (other dtypes are upcast to float32)."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"expected logits of shape ({len(rows)}, vocab), got {tuple(logits.shape)}")
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()
+
+        processed = apply_logit_processing(logits, rows)
+
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if greedy:
+            idx = _row_index(greedy, len(rows), logits.device)
+            token_ids[idx] = processed[idx].argmax(dim=-1)  # ties: lowest id
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if rand:
+            idx = _row_index(rand, len(rows), logits.device)
+            token_ids[idx] = _sample_random(processed[idx], [rows[i] for i in rand])
+
+        # Raw logprob of the chosen tokens: logit - logsumexp, without a (num_rows, vocab) result.
+        chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),
+            logprobs=chosen.tolist(),
+            top_logprobs=_top_logprobs(logits, token_ids, rows),
+        )
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: torch.Tensor, num_top: int
+) -> list[dict[int, float]]:
+    """For each of n prompt positions: the raw logprob of the actual next prompt token (first),
+    then the top num_top logprobs. logits (n, vocab), next_token_ids (n,)."""
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    next_ids = next_token_ids.to(device=logits.device, dtype=torch.long)
+    return _logprob_dicts(logits, next_ids, [num_top] * logits.shape[0])

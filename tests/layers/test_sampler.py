@@ -1,0 +1,259 @@
+"""Sampler: greedy / random sampling, filters, penalties, logprobs and per-request seeding."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from pagoda.layers.sampler import (
+    Sampler,
+    SamplingRow,
+    _apply_top_k,
+    _apply_top_k_top_p,
+    apply_logit_processing,
+    prompt_logprobs,
+)
+from pagoda.sampling_params import SamplingParams
+
+VOCAB = 50
+
+
+def _row(
+    output: Sequence[int] = (),
+    prompt: Sequence[int] = (1, 2, 3),
+    eos: frozenset[int] = frozenset({0}),
+    generator: torch.Generator | None = None,
+    **params: Any,
+) -> SamplingRow:
+    p = SamplingParams(**params)
+    gen = generator if generator is not None else torch.Generator().manual_seed(p.seed or 0)
+    return SamplingRow(params=p, generator=gen, prompt_token_ids=list(prompt), output_token_ids=list(output),
+                       eos_token_ids=eos)
+
+
+def _logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_and_ties_go_to_lowest_id() -> None:
+    logits = _logits(8)
+    logits[3, 7] = logits[3, 11] = logits[3].max() + 1.0  # a tie
+    out = Sampler()(logits, [_row(temperature=0.0) for _ in range(8)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.token_ids[3] == 7
+
+
+def test_greedy_rows_do_not_touch_generator_or_input() -> None:
+    logits = _logits(2)
+    before = logits.clone()
+    gen = torch.Generator().manual_seed(5)
+    state = gen.get_state()
+    Sampler()(logits, [_row(temperature=0.0, generator=gen, repetition_penalty=1.5, logit_bias={3: 5.0}),
+                       _row(temperature=0.7, seed=1, presence_penalty=1.0, output=[4, 4])])
+    assert torch.equal(gen.get_state(), state)
+    assert torch.equal(logits, before)  # the caller's logits are never modified
+
+
+def _run_steps(seed_row_index: int, others: list[dict[str, Any]], steps: int = 20) -> list[int]:
+    """Samples `steps` tokens for a seeded row placed at seed_row_index among other rows."""
+    target: dict[str, Any] = dict(temperature=0.8, top_p=0.9, top_k=20, seed=1234)
+    gens = [torch.Generator().manual_seed(p.get("seed", 99 + i)) for i, p in enumerate(others)]
+    target_gen = torch.Generator().manual_seed(1234)
+    outputs: list[list[int]] = [[] for _ in others]
+    tokens: list[int] = []
+    sampler = Sampler()
+    for step in range(steps):
+        rows = [_row(output=outputs[i], generator=gens[i], **p) for i, p in enumerate(others)]
+        rows.insert(seed_row_index, _row(output=tokens, generator=target_gen, **target))
+        step_logits = _logits(len(rows), seed=1000 + step)
+        # The seeded row sees the same logits whatever its position in the batch.
+        step_logits[seed_row_index] = _logits(1, seed=step)[0]
+        out = sampler(step_logits, rows)
+        tokens.append(out.token_ids[seed_row_index])
+        others_out = out.token_ids[:seed_row_index] + out.token_ids[seed_row_index + 1:]
+        for i, t in enumerate(others_out):
+            outputs[i].append(t)
+    return tokens
+
+
+def test_seed_gives_same_tokens_whatever_the_batch() -> None:
+    alone = _run_steps(0, [])
+    others: list[dict[str, Any]] = [
+        dict(temperature=0.0),
+        dict(temperature=1.3, seed=7),
+        dict(temperature=0.5, top_k=3, repetition_penalty=1.3),
+        dict(temperature=1.0, min_p=0.2, frequency_penalty=0.5, presence_penalty=0.3),
+        dict(temperature=0.0, logit_bias={4: 10.0}, logprobs=2),
+    ]
+    assert _run_steps(3, others) == alone
+    assert _run_steps(5, others) == alone
+    assert len(set(alone)) > 3  # it really sampled
+
+
+def test_top_k_1_is_greedy() -> None:
+    logits = _logits(6, seed=3)
+    logits[2, 4] = logits[2, 9] = logits[2].max() + 1.0  # a tie: the stable sort keeps the lowest id
+    rows = [_row(temperature=1.5, top_k=1, seed=s) for s in range(6)]
+    assert Sampler()(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_threshold_matches_stable_sort_with_ties() -> None:
+    """The sort-free top-k (top-k-only rows) keeps the same set as the sorted path, ties included."""
+    logits = torch.randint(0, 4, (6, 30), generator=torch.Generator().manual_seed(0)).float()
+    top_k = torch.tensor([1, 2, 5, 7, 30, 13])
+    fast = _apply_top_k(logits, top_k)
+    sorted_path = _apply_top_k_top_p(logits, top_k, torch.ones(6))
+    assert torch.equal(fast, sorted_path)
+    assert (fast.isfinite().sum(dim=-1) == top_k).all()
+
+
+def test_tiny_top_p_keeps_only_the_top_token() -> None:
+    logits = _logits(6, seed=4)
+    rows = [_row(temperature=1.0, top_p=1e-6, seed=s) for s in range(6)]
+    assert Sampler()(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_min_p_drops_tokens_below_threshold() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(400, 4).contiguous()
+    gen = torch.Generator().manual_seed(0)
+    # min_p 0.4: threshold 0.2 = 0.4 * 0.5, so only tokens 0 and 1 survive.
+    out = Sampler()(logits, [_row(temperature=1.0, min_p=0.4, generator=gen) for _ in range(400)])
+    assert set(out.token_ids) == {0, 1}
+
+
+def test_logit_bias_forces_a_token() -> None:
+    logits = _logits(2, seed=5)
+    low = int(logits[0].argmin())
+    rows = [_row(temperature=0.0, logit_bias={low: 100.0}), _row(temperature=1.0, logit_bias={low: 100.0})]
+    lo = logits.clone()
+    lo[1] = logits[0]
+    assert Sampler()(lo, rows).token_ids == [low, low]
+
+
+def test_min_tokens_blocks_eos_and_stop_token_ids() -> None:
+    logits = torch.zeros(1, 6)
+    logits[0, 3], logits[0, 2], logits[0, 5] = 10.0, 9.0, 8.0  # 3 = eos, 2 = stop token id
+    params: dict[str, Any] = dict(temperature=0.0, min_tokens=2, stop_token_ids=[2], max_tokens=10)
+    sampler = Sampler()
+    blocked = sampler(logits, [_row(output=[1], eos=frozenset({3}), **params)])
+    assert blocked.token_ids == [5]
+    # The reported logprob stays that of the raw distribution, blocked tokens included.
+    assert blocked.logprobs[0] == pytest.approx(float(logits[0].log_softmax(-1)[5]), abs=1e-5)
+    free = sampler(logits, [_row(output=[1, 1], eos=frozenset({3}), **params)])
+    assert free.token_ids == [3]
+
+
+def test_penalties_change_logits_exactly() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    row = _row(prompt=[0, 1], output=[2, 2, 4], repetition_penalty=2.0, frequency_penalty=0.5,
+               presence_penalty=0.25)
+    out = apply_logit_processing(logits, [row])
+    # repetition over prompt + output {0, 1, 2, 4}: positive / 2, negative * 2; token 3, 5 unseen.
+    # then token 2 (twice in output): 0.25 - 0.5 * 2 - 0.25; token 4 (once): -4 - 0.5 - 0.25.
+    expected = torch.tensor([[1.0, -2.0, -1.0, 3.0, -4.75, 1.0]])
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]]))  # input untouched
+
+
+def test_each_penalty_alone() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    cases: list[tuple[dict[str, Any], list[float]]] = [
+        (dict(repetition_penalty=0.5), [4.0, -0.5, 1.0, 3.0]),  # prompt [0], output [1, 2, 2]
+        (dict(frequency_penalty=-1.0), [2.0, 0.0, 2.5, 3.0]),  # output only: prompt token 0 untouched
+        (dict(presence_penalty=2.0), [2.0, -3.0, -1.5, 3.0]),
+        (dict(logit_bias={3: -5.0, 0: 1.5}), [3.5, -1.0, 0.5, -2.0]),
+    ]
+    for params, want in cases:
+        out = apply_logit_processing(logits, [_row(prompt=[0], output=[1, 2, 2], **params)])
+        torch.testing.assert_close(out, torch.tensor([want]), msg=str(params))
+
+
+def test_rows_without_penalties_cost_nothing() -> None:
+    logits = _logits(3)
+    rows = [_row(temperature=0.7, top_k=5, min_p=0.1, min_tokens=1, output=[1]), _row(),
+            _row(temperature=0.0)]
+    assert apply_logit_processing(logits, rows) is logits  # no copy at all
+
+
+def test_logprobs_are_raw_log_softmax() -> None:
+    logits = _logits(3, seed=6).double()
+    rows = [
+        _row(temperature=0.0, repetition_penalty=1.7, logprobs=3),
+        _row(temperature=0.6, seed=3, logit_bias={7: 20.0}, logprobs=0),
+        _row(temperature=1.2, seed=4, top_k=4),
+    ]
+    out = Sampler()(logits, rows)
+    raw = logits.log_softmax(dim=-1)
+    for i, t in enumerate(out.token_ids):
+        assert out.logprobs[i] == pytest.approx(float(raw[i, t]))
+    assert out.token_ids[1] == 7
+    top0 = out.top_logprobs[0]
+    assert top0 is not None
+    vals, ids = raw[0].topk(3)
+    assert list(top0)[0] == out.token_ids[0]  # the chosen token first
+    for v, t in zip(vals.tolist(), ids.tolist(), strict=True):
+        assert top0[t] == pytest.approx(v)
+    assert len(top0) in (3, 4)
+    assert top0[out.token_ids[0]] == out.logprobs[0]  # same value in both places
+    assert out.top_logprobs[1] == {7: pytest.approx(float(raw[1, 7]))}  # logprobs=0: the chosen only
+    assert out.top_logprobs[2] is None
+
+
+def test_prompt_logprobs() -> None:
+    logits = _logits(4, seed=8)
+    nxt = torch.tensor([5, 6, 7, 8])
+    out = prompt_logprobs(logits, nxt, num_top=2)
+    raw = logits.log_softmax(dim=-1)
+    assert len(out) == 4
+    for i, entry in enumerate(out):
+        assert list(entry)[0] == int(nxt[i])
+        assert entry[int(nxt[i])] == pytest.approx(float(raw[i, nxt[i]]), abs=1e-5)
+        vals, ids = raw[i].topk(2)
+        for v, t in zip(vals.tolist(), ids.tolist(), strict=True):
+            assert entry[t] == pytest.approx(v, abs=1e-5)
+    assert [len(e) for e in prompt_logprobs(logits, nxt, num_top=0)] == [1, 1, 1, 1]
+
+
+def _expected(probs: list[float], **params: Any) -> list[float]:
+    """Reference distribution after temperature, then top_k, then top_p on the renormalised
+    top-k distribution (as vLLM does), in plain float64 Python."""
+    p = [x ** (1.0 / params.get("temperature", 1.0)) for x in probs]
+    order = sorted(range(len(p)), key=lambda t: -p[t])  # best first
+    top_k = params.get("top_k", len(p))
+    p = [x if order.index(t) < top_k else 0.0 for t, x in enumerate(p)]
+    p = [x / sum(p) for x in p]
+    mass = 0.0
+    for t in order:
+        if mass >= params.get("top_p", 1.0):
+            mass, p[t] = mass + p[t], 0.0
+        else:
+            mass += p[t]
+    return [x / sum(p) for x in p]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.5),
+        dict(temperature=1.0, top_k=2),
+        dict(temperature=1.0, top_p=0.75),
+        dict(temperature=2.0, top_k=3, top_p=0.9),
+        dict(temperature=1.0, top_k=3, top_p=0.75),  # keeps {2, 3} only: top-p sees the top-k renormalised
+    ],
+)
+def test_sampling_frequencies_match_distribution(params: dict[str, Any]) -> None:
+    probs = [0.1, 0.2, 0.3, 0.4]
+    n = 4000
+    logits = torch.tensor(probs).log().expand(n, 4).contiguous()
+    gen = torch.Generator().manual_seed(0)  # deterministic; shared by all rows, drawn in order
+    out = Sampler()(logits, [_row(generator=gen, **params) for _ in range(n)])
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=4).tolist()
+    for count, p in zip(counts, _expected(probs, **params), strict=True):
+        sigma = math.sqrt(n * p * (1 - p))
+        assert abs(count - n * p) <= 5 * sigma + 1e-9, (counts, params)
