@@ -168,6 +168,13 @@ def cmd_kv_calc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pagoda.bench import throughput
+
+    throughput.report(throughput.run_throughput(args, engine_options(args)), args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,13 +195,17 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-cache-memory", default=None, help="budget, e.g. 512MiB (default: as the engine)")
     kv.add_argument("--context-len", type=int, action="append", help="context length (repeatable)")
     kv.add_argument("--json", action="store_true")
+    from pagoda.bench import throughput
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    throughput.add_parser(bench, add_engine_flags)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    commands = {"generate": cmd_generate, "chat": cmd_chat, "kv-calc": cmd_kv_calc}
+    commands = {"generate": cmd_generate, "chat": cmd_chat, "kv-calc": cmd_kv_calc, "bench": cmd_bench}
     try:
         return commands[args.command](args)
     except ValueError as e:
