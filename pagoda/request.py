@@ -44,6 +44,8 @@ class Request:
     priority: int = 0  # lower runs sooner
     arrival_time: float = field(default_factory=time.monotonic)
     seed: int = 0  # seeds this request's own generator (params.seed, or one drawn by the engine)
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
+    tenant: str | None = None  # fairness: who the request is for (API key or user)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule

@@ -79,10 +79,13 @@ class LLMEngine:
         return None, ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None, *, cache_salt: str | None = None,
+                    tenant: str | None = None) -> None:
         """Validate and queue a request; raises ValueError (naming the field) and queues nothing if bad."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 1024):
+            raise ValueError("cache_salt must be a string of at most 1024 characters")
         text, ids = self.tokenize_prompt(prompt)
         self._check_prompt(ids)
         params.check_vocab(self.arch.vocab_size)
@@ -94,7 +97,8 @@ class LLMEngine:
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, ids, params, self.tokenizer.eos_token_ids,
-                                    self.limits.max_request_tokens, priority, arrival, seed))
+                                    self.limits.max_request_tokens, priority, arrival, seed,
+                                    cache_salt=cache_salt, tenant=tenant))
         self.parents[request_id] = new_parent(request_id, text, ids, params, children, self.tokenizer)
         for child in children:
             self.child_to_parent[child.request_id] = request_id
@@ -188,5 +192,14 @@ class LLMEngine:
             "num_steps": self.stats.num_steps,
         }
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.kv.block_size)
+    def kv_demand_blocks(self, prompt_token_ids: list[int], max_tokens: int | None, n: int = 1,
+                         cache_salt: str | None = None) -> int:
+        """Blocks a new request may need over its life: its prompt (less prefix-cache hits) plus room
+        for max_tokens in each of its n samples. For admission control."""
+        out = min(max_tokens or self.limits.max_request_tokens, self.limits.max_request_tokens)
+        total = min(len(prompt_token_ids) + out, self.limits.max_request_tokens)
+        return n * cdiv(total, self.kv.block_size)
+
+    def kv_free_blocks(self) -> int:
+        """Blocks not held by any request (cached-free blocks count: they can be evicted)."""
+        return self.kv.pool.num_free_blocks
