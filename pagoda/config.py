@@ -71,12 +71,15 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: a share of free RAM (see worker/kv_cache.py)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size!r}")
         if self.kv_cache_memory is not None:
             _positive_int("kv_cache_memory", self.kv_cache_memory, 1 << 50)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,10 @@ class Request:
     seed: int = 0  # seeds this request's own generator (params.seed, or one drawn by the engine)
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
     tenant: str | None = None  # fairness: who the request is for (API key or user)
+    # Sample i > 0 of an n > 1 request waits for sample 0 to compute the prompt's full blocks, then
+    # shares them (prefix lookup) and computes only the prompt's last partial block itself.
+    follows: Request | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks so far
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule

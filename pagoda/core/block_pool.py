@@ -20,7 +20,7 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, keep_freed_hashes: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -29,6 +29,8 @@ class BlockPool:
         self._free_uncached: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[bytes, int] = {}
+        # False (prefix caching off): a block forgets its hash when its last holder frees it.
+        self.keep_freed_hashes = keep_freed_hashes
 
     @property
     def num_free_blocks(self) -> int:
@@ -70,6 +72,8 @@ class BlockPool:
             assert block.ref_count > 0, f"double free of block {block_id}"
             block.ref_count -= 1
             if block.ref_count == 0:
+                if not self.keep_freed_hashes:
+                    self._evict_hash(block)
                 queue = self._free_cached if block.block_hash is not None else self._free_uncached
                 queue[block_id] = None
 

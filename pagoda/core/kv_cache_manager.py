@@ -1,7 +1,15 @@
-"""Per-request block tables over a BlockPool: allocate slots for new tokens, free on finish/preempt."""
+"""Per-request block tables over a BlockPool: prefix lookup, allocate, register full blocks, free.
+
+Prefix caching: a new request looks up the longest chain of cached full blocks of its tokens (the
+last token is always computed, since its logits are needed) and starts after them. Full blocks are
+registered under their chained hash as soon as they are computed, so later requests (or this one,
+after preemption) can hit them. With caching off, blocks drop their hash when freed, and lookups
+are made only by samples of the same request (n > 1), which share the prompt's blocks.
+"""
 
 from __future__ import annotations
 
+from pagoda.core.block_hash import extend_hashes, root_hash
 from pagoda.core.block_pool import BlockPool
 from pagoda.request import Request
 
@@ -11,10 +19,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 model_identity: str = "") -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, keep_freed_hashes=enable_caching)
+        self.enable_caching = enable_caching
+        self.root = root_hash(model_identity)
         self.block_tables: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
 
     @property
     def num_blocks(self) -> int:
@@ -24,28 +38,78 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.block_size
 
+    # ---- prefix lookup ------------------------------------------------------------------
+    def _hashes(self, req: Request, num_full_blocks: int) -> list[bytes]:
+        bs = self.block_size
+        blocks = (req.token_ids(i * bs, (i + 1) * bs) for i in range(len(req.block_hashes), num_full_blocks))
+        extend_hashes(req.block_hashes, self.root, blocks, req.cache_salt)
+        return req.block_hashes[:num_full_blocks]
+
+    def lookup_prefix(self, req: Request) -> list[int]:
+        """Blocks holding the longest cached chain of `req`'s tokens (never its last token)."""
+        if not (self.enable_caching or req.follows is not None) or req.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need logits at every prompt position: compute them all
+        hits = []
+        for h in self._hashes(req, (req.num_tokens - 1) // self.block_size):
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_lookup(self, req: Request, num_hit_tokens: int) -> None:
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    # ---- allocation ---------------------------------------------------------------------
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         table = self.block_tables.get(request.request_id, [])
         total = request.num_computed_tokens + num_new_tokens
         return max(0, cdiv(total, self.block_size) - len(table))
 
-    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self.blocks_needed(request, num_new_tokens) <= self.pool.num_free_blocks
-
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens of `request`; False (and no change) if it can't."""
-        needed = self.blocks_needed(request, num_new_tokens)
-        if needed > self.pool.num_free_blocks:
+    def allocate_slots(self, request: Request, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens of `request` (after `prefix_blocks`, cache hits
+        it starts with); False, and no change, if there is not enough free space."""
+        hits = prefix_blocks or []
+        table_len = len(self.block_tables.get(request.request_id, [])) + len(hits)
+        total = request.num_computed_tokens + num_new_tokens
+        needed = max(0, cdiv(total, self.block_size) - table_len)
+        revived = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)  # counted as free now
+        if needed + revived > self.pool.num_free_blocks:
             return False
         table = self.block_tables.setdefault(request.request_id, [])
+        for block_id in hits:
+            self.pool.touch(block_id)
+            table.append(block_id)
+        if hits:
+            self._num_registered[request.request_id] = len(hits)
         if needed:
             table.extend(self.pool.allocate(needed))
         return True
 
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the blocks that `req` has completely computed under their chained hashes."""
+        full = req.num_computed_tokens // self.block_size
+        done = self._num_registered.get(req.request_id, 0)
+        if full <= done:
+            return
+        table = self.block_tables[req.request_id]
+        for i, h in enumerate(self._hashes(req, full)[done:], start=done):
+            self.pool.register_hash(table[i], h)
+        self._num_registered[req.request_id] = full
+
     def free(self, request: Request) -> None:
+        self._num_registered.pop(request.request_id, None)
         table = self.block_tables.pop(request.request_id, None)
         if table:
             self.pool.free(table)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; refused (False) while any request holds blocks."""
+        if self.block_tables:
+            return False
+        self.pool.reset_cache()
+        return True
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]

@@ -4,8 +4,11 @@ One rule: each request has `num_tokens` (prompt + output) and `num_computed_toke
 cache). Each step hands out a token budget so that computed catches up with total. Order:
 1. running requests one token behind (decodes), in priority order;
 2. running requests further behind (prompt chunks, or recomputation after preemption);
-3. waiting requests, in (priority, preempted-first, arrival) order, while the budget, the
-   sequence limit and the KV cache allow.
+3. waiting requests, in (priority, preempted-first, tenant usage, arrival) order, while the
+   budget, the sequence limit and the KV cache allow. A new request first looks up its prefix in
+   the cache and only computes what follows. Tenant usage is the tokens scheduled for the
+   request's tenant, decayed each step, so among equal priorities the least-served tenant goes
+   first: a tenant flooding the queue cannot starve another (equal weights).
 When a running request cannot get a block, the lowest-priority, latest-arrived running request is
 preempted (its blocks freed, requeued in front of its priority class, recomputed later); it may be
 the request itself. A request alone always fits (admission guarantees prompt + output <= cache), so
@@ -22,6 +25,9 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.outputs import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from pagoda.request import Request, RequestStatus
 
+# Per-step decay of each tenant's usage counter: about the last ~100 steps count.
+TENANT_USAGE_DECAY = 0.99
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
@@ -31,6 +37,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # kept sorted by _waiting_key
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Tokens scheduled per tenant, decayed every step: the least-served tenant is admitted first.
+        self.tenant_usage: dict[str | None, float] = {}
 
     # ---- queue management -------------------------------------------------------------
     @staticmethod
@@ -90,22 +98,56 @@ class Scheduler:
                 budget -= n
         self._schedule_waiting(budget, scheduled)
         out.seqs = list(scheduled.values())
+        self._account(out)
         return out
+
+    def _account(self, out: SchedulerOutput) -> None:
+        for tenant in self.tenant_usage:
+            self.tenant_usage[tenant] *= TENANT_USAGE_DECAY
+        for seq in out.seqs:
+            t = seq.request.tenant
+            self.tenant_usage[t] = self.tenant_usage.get(t, 0.0) + seq.num_new_tokens
+        if len(self.tenant_usage) > 1024:  # forget tenants that have gone quiet
+            self.tenant_usage = {t: u for t, u in self.tenant_usage.items() if u > 1.0}
+
+    def _fair_key(self, req: Request) -> tuple[int, int, float, float, str]:
+        """Waiting order: priority, then preempted first, then the tenant served least, then arrival."""
+        return (req.priority, 0 if req.status is RequestStatus.PREEMPTED else 1,
+                self.tenant_usage.get(req.tenant, 0.0), req.arrival_time, req.request_id)
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, ScheduledSeq]) -> int:
         used = 0
-        while self.waiting and budget - used > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget - used)
-            if not self.kv.allocate_slots(req, n):
-                break  # never preempt running work for a waiting request
-            self.waiting.pop(0)
+        order = sorted(self.waiting, key=self._fair_key) if len(self.tenant_usage) > 1 else list(self.waiting)
+        for req in order:
+            if budget - used <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self._leader_ready(req):
+                continue
+            hits = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(hits) * self.kv.block_size
+            n = min(req.num_tokens - num_cached - req.num_computed_tokens, budget - used)
+            if not self.kv.allocate_slots(req, n + num_cached, prefix_blocks=hits):
+                break  # never preempt running work for a waiting request; keep priority order
+            self.kv.record_lookup(req, num_cached)
+            if req.status is RequestStatus.WAITING:
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens += num_cached
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled[req.request_id] = ScheduledSeq(req, n, req.num_computed_tokens,
                                                      self.kv.block_table(req.request_id))
             used += n
         return used
+
+    def _leader_ready(self, req: Request) -> bool:
+        """A later sample of an n > 1 request waits until sample 0 has computed the prompt's full
+        blocks, so it can share them instead of computing its own copy."""
+        leader = req.follows
+        if leader is None or leader.is_finished or req.num_computed_tokens > 0:
+            return True
+        shared = (req.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
+        return leader.num_computed_tokens >= shared
 
     def _allocate_or_preempt(self, req: Request, n: int, scheduled: dict[str, ScheduledSeq],
                              out: SchedulerOutput) -> tuple[bool, int]:
@@ -142,6 +184,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += seq.num_new_tokens
+            self.kv.cache_full_blocks(req)
             token = result.sampled.get(req.request_id)
             if token is None:
                 continue

@@ -48,7 +48,8 @@ class LLMEngine:
         plan = plan_kv_cache(self.arch, mc.torch_dtype, config.cache.block_size, budget)
         max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         self.limits = EngineLimits(max_model_len, min(max_model_len, plan.num_tokens), plan)
-        self.kv = KVCacheManager(plan.num_blocks, plan.block_size)
+        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching,
+                                 f"{loaded.identity}:{mc.torch_dtype}")
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, allocate_kv_cache(self.arch, plan, mc.torch_dtype), plan.block_size)
         self.parents: dict[str, ParentState] = {}
@@ -92,13 +93,14 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        children = []
+        children: list[Request] = []
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, ids, params, self.tokenizer.eos_token_ids,
                                     self.limits.max_request_tokens, priority, arrival, seed,
-                                    cache_salt=cache_salt, tenant=tenant))
+                                    cache_salt=cache_salt, tenant=tenant,
+                                    follows=children[0] if children else None))
         self.parents[request_id] = new_parent(request_id, text, ids, params, children, self.tokenizer)
         for child in children:
             self.child_to_parent[child.request_id] = request_id
@@ -190,7 +192,13 @@ class LLMEngine:
             "num_prompt_tokens_computed": self.stats.num_prompt_tokens_computed,
             "num_generation_tokens": self.stats.num_generation_tokens,
             "num_steps": self.stats.num_steps,
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
         }
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; refused (False) while requests hold blocks."""
+        return self.kv.reset_prefix_cache()
 
     def kv_demand_blocks(self, prompt_token_ids: list[int], max_tokens: int | None, n: int = 1,
                          cache_salt: str | None = None) -> int:

@@ -42,7 +42,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 priority: int | Sequence[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 priority: int | Sequence[int] | None = None, cache_salt: str | Sequence[str | None] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order.
 
         Every prompt is validated before any is queued, so a bad one raises without side effects.
@@ -50,6 +51,9 @@ class LLM:
         items = _as_prompt_list(prompts)
         params = self._per_prompt("sampling_params", sampling_params or SamplingParams(), len(items))
         priorities = self._per_prompt("priority", 0 if priority is None else priority, len(items))
+        salts = [cache_salt] * len(items) if cache_salt is None or isinstance(cache_salt, str) else list(cache_salt)
+        if len(salts) != len(items):
+            raise ValueError(f"cache_salt has {len(salts)} entries for {len(items)} prompts")
         for i, prompt in enumerate(items):
             try:
                 _, ids = self.engine.tokenize_prompt(prompt)
@@ -58,8 +62,8 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         request_ids = [f"offline-{next(self._ids)}" for _ in items]
-        for rid, prompt, p, prio in zip(request_ids, items, params, priorities, strict=True):
-            self.engine.add_request(rid, prompt, p, priority=prio)
+        for rid, prompt, p, prio, salt in zip(request_ids, items, params, priorities, salts, strict=True):
+            self.engine.add_request(rid, prompt, p, priority=prio, cache_salt=salt)
         return self._run(request_ids, use_tqdm)
 
     @staticmethod
@@ -93,3 +97,7 @@ class LLM:
 
     def get_metrics(self) -> dict[str, int | float]:
         return self.engine.get_metrics()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block. Only while nothing is running: returns False otherwise."""
+        return self.engine.reset_prefix_cache()
