@@ -9,6 +9,7 @@ LRU order among themselves.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -20,7 +21,8 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, keep_freed_hashes: bool = True) -> None:
+    def __init__(self, num_blocks: int, keep_freed_hashes: bool = True,
+                 on_evict: Callable[[int, bytes], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -31,6 +33,7 @@ class BlockPool:
         self.hash_to_block: dict[bytes, int] = {}
         # False (prefix caching off): a block forgets its hash when its last holder frees it.
         self.keep_freed_hashes = keep_freed_hashes
+        self.on_evict = on_evict  # told (block_id, hash) before a cached block's content is reused
 
     @property
     def num_free_blocks(self) -> int:
@@ -54,6 +57,9 @@ class BlockPool:
                 block_id, _ = self._free_uncached.popitem(last=False)
             else:
                 block_id, _ = self._free_cached.popitem(last=False)
+                block_hash = self.blocks[block_id].block_hash
+                if self.on_evict is not None and block_hash is not None:
+                    self.on_evict(block_id, block_hash)
                 self._evict_hash(self.blocks[block_id])
             block = self.blocks[block_id]
             assert block.ref_count == 0

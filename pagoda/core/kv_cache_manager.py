@@ -5,12 +5,19 @@ last token is always computed, since its logits are needed) and starts after the
 registered under their chained hash as soon as they are computed, so later requests (or this one,
 after preemption) can hit them. With caching off, blocks drop their hash when freed, and lookups
 are made only by samples of the same request (n > 1), which share the prompt's blocks.
+
+With a second tier (`offload_blocks` > 0), a cached block about to be evicted is first copied to
+the tier, and a lookup that misses here continues its chain there: those blocks are allocated
+here and copied back (swap-in) before the step's forward pass instead of being recomputed.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pagoda.core.block_hash import extend_hashes, root_hash
 from pagoda.core.block_pool import BlockPool
+from pagoda.core.offload import OffloadIndex
 from pagoda.request import Request
 
 
@@ -18,11 +25,25 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class PrefixHit:
+    blocks: list[int]  # cached blocks in the main pool, in chain order
+    tier: list[tuple[bytes, int]]  # then (hash, slot) in the second tier, continuing the chain
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) + len(self.tier)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 model_identity: str = "") -> None:
+                 model_identity: str = "", offload_blocks: int = 0) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, keep_freed_hashes=enable_caching)
+        self.offload = OffloadIndex(offload_blocks) if offload_blocks and enable_caching else None
+        self.swap_out: list[tuple[int, int]] = []  # (block, slot) copies pending for this step
+        self.swap_in: list[tuple[int, int]] = []  # (slot, block)
+        self.pool = BlockPool(num_blocks, keep_freed_hashes=enable_caching,
+                              on_evict=self._spill if self.offload is not None else None)
         self.enable_caching = enable_caching
         self.root = root_hash(model_identity)
         self.block_tables: dict[str, list[int]] = {}
@@ -45,17 +66,40 @@ class KVCacheManager:
         extend_hashes(req.block_hashes, self.root, blocks, req.cache_salt)
         return req.block_hashes[:num_full_blocks]
 
-    def lookup_prefix(self, req: Request) -> list[int]:
-        """Blocks holding the longest cached chain of `req`'s tokens (never its last token)."""
+    def lookup_prefix(self, req: Request) -> PrefixHit:
+        """The longest cached chain of `req`'s tokens (never its last token): blocks here, then
+        slots in the second tier."""
+        hit = PrefixHit([], [])
         if not (self.enable_caching or req.follows is not None) or req.params.prompt_logprobs is not None:
-            return []  # prompt logprobs need logits at every prompt position: compute them all
-        hits = []
-        for h in self._hashes(req, (req.num_tokens - 1) // self.block_size):
+            return hit  # prompt logprobs need logits at every prompt position: compute them all
+        hashes = self._hashes(req, (req.num_tokens - 1) // self.block_size)
+        for h in hashes:
             block_id = self.pool.lookup(h)
             if block_id is None:
                 break
-            hits.append(block_id)
-        return hits
+            hit.blocks.append(block_id)
+        if self.offload is not None:
+            for h in hashes[len(hit.blocks):]:
+                slot = self.offload.lookup(h)
+                if slot is None:
+                    break
+                hit.tier.append((h, slot))
+        return hit
+
+    def _spill(self, block_id: int, block_hash: bytes) -> None:
+        """A cached block is being evicted: keep a copy in the second tier."""
+        assert self.offload is not None
+        slot = self.offload.insert(block_hash)
+        if slot is not None:
+            self.swap_out.append((block_id, slot))
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies the worker must make before this step's forward: (swap_out, swap_in)."""
+        out, inn = self.swap_out, self.swap_in
+        self.swap_out, self.swap_in = [], []
+        if self.offload is not None:
+            self.offload.end_step()
+        return out, inn
 
     def record_lookup(self, req: Request, num_hit_tokens: int) -> None:
         self.prefix_queries += req.num_tokens
@@ -67,10 +111,10 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_new_tokens
         return max(0, cdiv(total, self.block_size) - len(table))
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
-        """Make room for `num_new_tokens` more tokens of `request` (after `prefix_blocks`, cache hits
-        it starts with); False, and no change, if there is not enough free space."""
-        hits = prefix_blocks or []
+    def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens of `request` (after `prefix`, the cache hits it
+        starts with, counted in num_new_tokens); False, and no change, if there is not enough space."""
+        hits = prefix.blocks if prefix else []
         table_len = len(self.block_tables.get(request.request_id, [])) + len(hits)
         total = request.num_computed_tokens + num_new_tokens
         needed = max(0, cdiv(total, self.block_size) - table_len)
@@ -81,10 +125,14 @@ class KVCacheManager:
         for block_id in hits:
             self.pool.touch(block_id)
             table.append(block_id)
-        if hits:
-            self._num_registered[request.request_id] = len(hits)
         if needed:
             table.extend(self.pool.allocate(needed))
+        for i, (block_hash, slot) in enumerate(prefix.tier if prefix else []):
+            block_id = table[len(hits) + i]  # fresh blocks, filled from the tier before the forward
+            self.swap_in.append((slot, block_id))
+            self.pool.register_hash(block_id, block_hash)
+        if prefix and prefix.num_blocks:
+            self._num_registered[request.request_id] = prefix.num_blocks
         return True
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -105,10 +153,12 @@ class KVCacheManager:
             self.pool.free(table)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached blocks; refused (False) while any request holds blocks."""
+        """Forget all cached blocks (both tiers); refused (False) while any request holds blocks."""
         if self.block_tables:
             return False
         self.pool.reset_cache()
+        if self.offload is not None:
+            self.offload.clear()
         return True
 
     def block_table(self, request_id: str) -> list[int]:

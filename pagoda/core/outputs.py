@@ -26,6 +26,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)  # batch order: decodes first, then prompt chunks
     preempted: list[str] = field(default_factory=list)
+    # Second-tier copies to make before the forward pass, outs first: (block, slot) and (slot, block).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

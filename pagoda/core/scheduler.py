@@ -21,7 +21,7 @@ import bisect
 from collections.abc import Iterable
 
 from pagoda.config import SchedulerConfig
-from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_cache_manager import KVCacheManager, PrefixHit
 from pagoda.core.outputs import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from pagoda.request import Request, RequestStatus
 
@@ -98,6 +98,7 @@ class Scheduler:
                 budget -= n
         self._schedule_waiting(budget, scheduled)
         out.seqs = list(scheduled.values())
+        out.swap_out, out.swap_in = self.kv.take_swaps()
         self._account(out)
         return out
 
@@ -123,10 +124,10 @@ class Scheduler:
                 break
             if not self._leader_ready(req):
                 continue
-            hits = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else []
-            num_cached = len(hits) * self.kv.block_size
+            hit = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else PrefixHit([], [])
+            num_cached = hit.num_blocks * self.kv.block_size
             n = min(req.num_tokens - num_cached - req.num_computed_tokens, budget - used)
-            if not self.kv.allocate_slots(req, n + num_cached, prefix_blocks=hits):
+            if not self.kv.allocate_slots(req, n + num_cached, prefix=hit):
                 break  # never preempt running work for a waiting request; keep priority order
             self.kv.record_lookup(req, num_cached)
             if req.status is RequestStatus.WAITING:

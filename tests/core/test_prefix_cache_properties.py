@@ -22,13 +22,18 @@ from pagoda.sampling_params import SamplingParams
 class FakeKV:
     """Which token id sits in each (block, slot): what a real KV cache would hold."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, tier_slots: int = 0) -> None:
         self.bs = block_size
         self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.tier: list[list[int | None]] = [[None] * block_size for _ in range(tier_slots)]
         self.hash_tokens: dict[bytes, tuple[int, ...]] = {}  # what each hash names (full chain prefix)
 
     def run(self, sched: SchedulerOutput, token: int) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
+        for block, slot in sched.swap_out:  # as the worker does: outs, then ins, then the forward
+            self.tier[slot] = list(self.slots[block])
+        for slot, block in sched.swap_in:
+            self.slots[block] = list(self.tier[slot])
         for seq in sched.seqs:
             req = seq.request
             for pos in range(seq.start_pos, seq.start_pos + seq.num_new_tokens):
@@ -46,6 +51,9 @@ class FakeKV:
         for h, block_id in kv.pool.hash_to_block.items():
             _, tokens = self.hash_tokens[h]
             assert tuple(self.slots[block_id]) == tokens[-self.bs:], "a hash points at a block holding other tokens"
+        for h, slot in (kv.offload._lru.items() if kv.offload else []):
+            _, tokens = self.hash_tokens[h]
+            assert tuple(self.tier[slot]) == tokens[-self.bs:], "a tier slot holds other tokens than its hash"
 
 
 @settings(max_examples=120, deadline=None)
@@ -54,14 +62,14 @@ class FakeKV:
     reqs=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(1, 4), max_size=20), st.integers(1, 12),
                             st.sampled_from([None, "a", "b"]), st.integers(0, 3)), min_size=1, max_size=12),
     num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 2, 4]), budget=st.integers(1, 48),
-    caching=st.booleans(),
+    caching=st.booleans(), tier=st.sampled_from([0, 0, 1, 3, 12]),
 )
 def test_prefix_caching_keeps_blocks_and_hashes_consistent(
         prefixes: list[list[int]], reqs: list[tuple], num_blocks: int, block_size: int, budget: int,
-        caching: bool) -> None:
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, model_identity="m")
+        caching: bool, tier: int) -> None:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, model_identity="m", offload_blocks=tier)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6), kv)
-    fake = FakeKV(num_blocks, block_size)
+    fake = FakeKV(num_blocks, block_size, tier)
     capacity = num_blocks * block_size
     all_reqs: list[Request] = []
     for i, (pi, suffix, max_tokens, salt, steps_after) in enumerate(reqs):
@@ -138,3 +146,19 @@ def test_eviction_lru_and_tail_before_head() -> None:
     s.update(s.schedule(), ModelRunnerOutput())
     assert kv.pool.lookup(a.block_hashes[0]) is not None, "the chain's head must outlive its tail"
     assert kv.pool.lookup(a.block_hashes[1]) is None
+
+
+def test_second_tier_brings_evicted_blocks_back() -> None:
+    kv = KVCacheManager(6, 2, model_identity="m", offload_blocks=4)
+    s = Scheduler(SchedulerConfig(), kv)
+    fake = FakeKV(6, 2, 4)
+    reqs = [_req("a", [1, 2, 3, 4, 5], max_tokens=1), _req("b", [7] * 11, max_tokens=1),
+            _req("a2", [1, 2, 3, 4, 5], max_tokens=1)]
+    for r in reqs:  # b needs all 6 blocks: a's two cached blocks are evicted, spilling to the tier
+        s.add_request(r)
+        while s.has_unfinished():
+            sched = s.schedule()
+            s.update(sched, fake.run(sched, 9))
+            fake.check(kv, reqs)
+    assert kv.offload is not None and kv.offload.stores >= 2  # a's two, then some of b's
+    assert reqs[2].num_cached_tokens == 4 and kv.offload.hits == 2
