@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install test lint typecheck pytest run chat bench clean
+.PHONY: install test lint typecheck pytest run serve chat bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,9 @@ test: lint typecheck pytest
 
 run: install
 	$(VENV)/bin/pagoda generate --chat --max-tokens 64 --temperature 0 --prompt "$(PROMPT)"
+
+serve: install
+	$(VENV)/bin/pagoda serve
 
 chat: install
 	$(VENV)/bin/pagoda chat

@@ -67,10 +67,17 @@ class ModelConfig:
         return torch.float32 if self.dtype == "auto" else DTYPES[self.dtype]
 
 
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # auto: the model dtype; fp8: float8 e4m3
+KV_CACHE_SCALE_GRANULARITIES = ("token", "block")  # int8/fp8 scales per (token, kv head) or (block, kv head)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: a share of free RAM (see worker/kv_cache.py)
+    kv_cache_dtype: str = "auto"
+    # Per token: the more accurate in BENCHMARKS.md, and independent of chunking; per block: ~3% more tokens.
+    kv_cache_scale_granularity: str = "token"
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -78,6 +85,12 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size!r}")
         if self.kv_cache_memory is not None:
             _positive_int("kv_cache_memory", self.kv_cache_memory, 1 << 50)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_scale_granularity not in KV_CACHE_SCALE_GRANULARITIES:
+            raise ValueError(f"kv_cache_scale_granularity must be one of "
+                             f"{', '.join(KV_CACHE_SCALE_GRANULARITIES)}; got {self.kv_cache_scale_granularity!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
 

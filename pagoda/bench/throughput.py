@@ -1,45 +1,42 @@
-"""`pagoda bench throughput`: offline whole-engine throughput on a benchmark workload.
+"""`pagoda bench throughput`: offline throughput of a whole engine on a benchmark workload.
 
 All requests arrive at once; each generates exactly --output-len tokens (ignore_eos). Reports
 requests/s, output tokens/s, total (prompt + output) tokens/s, and time to first token
 (from arrival, so it includes queueing) with percentiles.
+
+Backends, all on the same workload (the same token ids):
+- `pagoda`: this engine (continuous batching, paged KV cache);
+- `hf`: HF transformers `generate` on static, left-padded batches (`--hf-batch-size`), the
+  baseline the PagedAttention paper beat;
+- `llamacpp`: llama.cpp through llama-cpp-python (optional install), see `pagoda/bench/llamacpp.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from typing import Any
 
-from pagoda.bench.datasets import DATASETS, WorkloadSpec, make_workload
+from pagoda.bench.common import add_workload_flags, percentiles, workload_spec
+from pagoda.bench.datasets import make_workload
 from pagoda.sampling_params import SamplingParams
 
-
-def parse_range(value: str) -> tuple[int, int]:
-    """'128:512' -> (128, 512); '256' -> (256, 256)."""
-    try:
-        parts = [int(x) for x in value.split(":")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {value!r}") from None
-    lo, hi = (parts[0], parts[0]) if len(parts) == 1 else (parts[0], parts[1])
-    if len(parts) > 2 or not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {value!r}")
-    return lo, hi
+BACKENDS = ("pagoda", "hf", "llamacpp")
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
-    return {"mean": statistics.fmean(values), "median": statistics.median(values), "p90": qs[89], "p99": qs[98]}
-
-
-def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
-    return WorkloadSpec(dataset=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
-                        output_len=args.output_len, prefix_len=args.prefix_len, path=args.dataset_path,
-                        seed=args.seed)
+def summarize(backend: str, args: argparse.Namespace, model: str, num_requests: int, prompt_tokens: int,
+              output_tokens: int, elapsed: float, ttft: list[float]) -> dict[str, Any]:
+    """The fields every backend reports, computed the same way for all of them."""
+    return {
+        "backend": backend, "model": model, "dataset": args.dataset,
+        "num_requests": num_requests, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "elapsed_s": elapsed,
+        "requests_per_second": num_requests / elapsed,
+        "output_tokens_per_second": output_tokens / elapsed,
+        "total_tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
+        "ttft_s": percentiles(ttft),
+    }
 
 
 def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +44,10 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
 
     llm = LLM(**engine_options)
     tok = llm.get_tokenizer()
-    work = make_workload(workload_spec(args), llm.engine.arch.vocab_size, tok.all_special_ids)
+    # The id range every backend draws from (load_tokenizer's): ids past the tokenizer's vocabulary
+    # (a padded embedding table) would mean nothing to llama.cpp.
+    vocab_size = min(llm.engine.arch.vocab_size, tok.vocab_size)
+    work = make_workload(workload_spec(args), vocab_size, tok.all_special_ids)
     prompts = [w.prompt for w in work]
     params = [SamplingParams(temperature=1.0, seed=args.seed + i, max_tokens=w.output_len, ignore_eos=True)
               for i, w in enumerate(work)]
@@ -59,34 +59,44 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs
             if o.metrics and o.metrics.first_token_time is not None]
     metrics = llm.get_metrics()
-    return {
-        "backend": "pagoda", "model": engine_options["model"], "dataset": args.dataset,
-        "num_requests": len(prompts), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-        "elapsed_s": elapsed,
-        "requests_per_second": len(prompts) / elapsed,
-        "output_tokens_per_second": output_tokens / elapsed,
-        "total_tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
-        "ttft_s": percentiles(ttft),
+    result = summarize("pagoda", args, engine_options["model"], len(prompts), prompt_tokens, output_tokens,
+                       elapsed, ttft)
+    result.update({
         "prompt_tokens_computed": metrics["num_prompt_tokens_computed"],
         "prefix_cache_hit_tokens": metrics["prefix_cache_hits"],
         "num_preemptions": metrics["num_preemptions"],
-    }
+    })
+    return result
 
 
-def add_workload_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset", choices=DATASETS, default="random")
-    p.add_argument("--dataset-path", default=None, help="JSONL of prompts (file) or ShareGPT JSON (sharegpt)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=parse_range, default=(128, 512),
-                   help="N or MIN:MAX (uniform); for `prefix`, the length after the shared prefix")
-    p.add_argument("--prefix-len", type=int, default=1024, help="shared prefix length (dataset prefix)")
-    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (ignore_eos)")
-    p.add_argument("--seed", type=int, default=0)
+def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[str, Any]:
+    """Run the chosen backend; engine flags other than --model and --dtype only apply to pagoda."""
+    backend = getattr(args, "backend", "pagoda")
+    if backend == "pagoda":
+        return run_throughput(args, engine_options)
+    if backend == "hf":
+        from pagoda.bench.hf_backend import run_hf_throughput
+
+        return run_hf_throughput(args, engine_options["model"], engine_options.get("dtype", "auto"))
+    if backend == "llamacpp":
+        from pagoda.bench.llamacpp import run_llamacpp_throughput
+
+        return run_llamacpp_throughput(args, engine_options["model"])
+    raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
 
 
 def add_parser(sub: Any, add_engine_flags: Any) -> None:
-    p = sub.add_parser("throughput", help="offline throughput of the whole engine")
+    p = sub.add_parser("throughput", help="offline throughput of the whole engine (or a peer)")
     add_workload_flags(p)
+    p.add_argument("--backend", choices=BACKENDS, default="pagoda",
+                   help="pagoda; hf = transformers generate, static batches; llamacpp = llama-cpp-python")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf backend")
+    p.add_argument("--llamacpp-parallel", type=int, default=16,
+                   help="sequences decoded together by the llamacpp backend (its n_parallel)")
+    p.add_argument("--llamacpp-batch", type=int, default=512,
+                   help="llamacpp backend: tokens per llama_decode call (its n_batch)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the llamacpp backend (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_flags(p)
 
@@ -95,12 +105,13 @@ def report(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))
         return
-    print(f"{result['num_requests']} requests ({result['prompt_tokens']} prompt + {result['output_tokens']} "
-          f"output tokens) in {result['elapsed_s']:.2f} s")
+    print(f"[{result['backend']}] {result['num_requests']} requests ({result['prompt_tokens']} prompt + "
+          f"{result['output_tokens']} output tokens) in {result['elapsed_s']:.2f} s")
     print(f"  {result['requests_per_second']:.2f} requests/s, {result['output_tokens_per_second']:.1f} output "
           f"tokens/s, {result['total_tokens_per_second']:.1f} total tokens/s")
     t = result["ttft_s"]
     if t:
         print(f"  TTFT mean {t['mean']:.2f} s, median {t['median']:.2f} s, p99 {t['p99']:.2f} s")
-    print(f"  prompt tokens computed {result['prompt_tokens_computed']}, prefix-cache hits "
-          f"{result['prefix_cache_hit_tokens']} tokens, preemptions {result['num_preemptions']}")
+    if "prompt_tokens_computed" in result:
+        print(f"  prompt tokens computed {result['prompt_tokens_computed']}, prefix-cache hits "
+              f"{result['prefix_cache_hit_tokens']} tokens, preemptions {result['num_preemptions']}")

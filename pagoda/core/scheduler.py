@@ -118,7 +118,10 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, ScheduledSeq]) -> int:
         used = 0
-        order = sorted(self.waiting, key=self._fair_key) if len(self.tenant_usage) > 1 else list(self.waiting)
+        # Fair order only matters with more than one tenant in play (a tenant new to the queue has
+        # no usage yet, and must count: it is the one to serve first).
+        tenants = set(self.tenant_usage).union(r.tenant for r in self.waiting)
+        order = sorted(self.waiting, key=self._fair_key) if len(tenants) > 1 else list(self.waiting)
         for req in order:
             if budget - used <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break

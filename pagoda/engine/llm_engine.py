@@ -45,7 +45,8 @@ class LLMEngine:
         loaded = load_model(mc.model, mc.torch_dtype, get_attention_backend("torch"), mc.max_model_len)
         self.model, self.arch, self.tokenizer = loaded.model, loaded.arch, loaded.tokenizer
         budget = config.cache.kv_cache_memory or default_kv_cache_memory()
-        plan = plan_kv_cache(self.arch, mc.torch_dtype, config.cache.block_size, budget)
+        plan = plan_kv_cache(self.arch, mc.torch_dtype, config.cache.block_size, budget, config.cache.kv_cache_dtype,
+                             config.cache.kv_cache_scale_granularity)
         max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         self.limits = EngineLimits(max_model_len, min(max_model_len, plan.num_tokens), plan)
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching,

@@ -9,11 +9,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pagoda.config import DEFAULT_MODEL, DTYPES, parse_size
+from pagoda.config import DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, parse_size
 from pagoda.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ("model", "dtype", "block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
-                "max_model_len")
+                "max_model_len", "enable_prefix_caching", "kv_cache_dtype")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -23,9 +23,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache budget, bytes or a size like 512MiB (default: 20%% of free RAM, at most 4GiB)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache storage: auto = the model dtype; int8 or fp8 (e4m3) with a float16 scale "
+                        "per (token, kv head)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn automatic prefix caching off (on by default)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -136,21 +141,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_kv_calc(args: argparse.Namespace) -> int:
-    import torch
-
     from pagoda.config import ModelConfig
+    from pagoda.layers.kv_quant import SCALE_BYTES
     from pagoda.model.loader import load_arch
     from pagoda.worker.kv_cache import default_kv_cache_memory, plan_kv_cache
 
     arch = load_arch(args.model)
     dtype = ModelConfig(dtype=args.dtype).torch_dtype
     budget = parse_size(args.kv_cache_memory) if args.kv_cache_memory else default_kv_cache_memory()
-    plan = plan_kv_cache(arch, dtype, args.block_size, budget)
+    plan = plan_kv_cache(arch, dtype, args.block_size, budget, args.kv_cache_dtype)
     contexts = args.context_len or [arch.max_position_embeddings]
+    scale_bytes_per_token = plan.scale_bytes_per_block / plan.block_size
     result = {
-        "model": args.model, "dtype": str(dtype).removeprefix("torch."),
+        "model": args.model, "dtype": str(dtype).removeprefix("torch."), "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_storage": plan.spec.name,
         "num_layers": arch.num_layers, "num_kv_heads": arch.num_kv_heads, "num_heads": arch.num_heads,
-        "head_dim": arch.head_dim, "bytes_per_element": torch.empty((), dtype=dtype).element_size(),
+        "head_dim": arch.head_dim, "bytes_per_element": plan.spec.element_bytes,
+        "scale_bytes_per_token": int(scale_bytes_per_token) if scale_bytes_per_token.is_integer()
+        else scale_bytes_per_token,
         "bytes_per_token": plan.bytes_per_token, "block_size": plan.block_size,
         "bytes_per_block": plan.bytes_per_block, "budget_bytes": plan.budget_bytes,
         "num_blocks": plan.num_blocks, "num_tokens": plan.num_tokens,
@@ -159,8 +167,11 @@ def cmd_kv_calc(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{args.model}: {arch.num_layers} layers x 2 (K,V) x {arch.num_kv_heads} kv heads x {arch.head_dim} "
-          f"head_dim x {result['bytes_per_element']} bytes = {plan.bytes_per_token} bytes/token")
+    per_head = f"{arch.head_dim} head_dim x {plan.spec.element_bytes} bytes"
+    if plan.spec.quantized:  # a float16 scale per (token, kv head)
+        per_head = f"({per_head} + {SCALE_BYTES} scale bytes)"
+    print(f"{args.model}: {arch.num_layers} layers x 2 (K,V) x {arch.num_kv_heads} kv heads x {per_head} "
+          f"= {plan.bytes_per_token} bytes/token (KV cache {plan.spec.name})")
     print(f"block of {plan.block_size} tokens: {plan.bytes_per_block} bytes")
     print(f"budget {plan.budget_bytes / 2**20:.1f} MiB: {plan.num_blocks} blocks, {plan.num_tokens} tokens")
     for c in contexts:
@@ -169,10 +180,52 @@ def cmd_kv_calc(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pagoda.bench import throughput
+    if args.bench == "serve":  # a client: no engine here, so no engine flags
+        from pagoda.bench import serve
 
-    throughput.report(throughput.run_throughput(args, engine_options(args)), args.json)
+        serve.report(serve.run_bench_serve(args), args.json)
+    elif args.bench == "latency":
+        from pagoda.bench import latency
+
+        latency.report(latency.run_latency(args, engine_options(args)), args.json)
+    else:
+        from pagoda.bench import throughput
+
+        throughput.report(throughput.run(args, engine_options(args)), args.json)
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from pagoda.config import EngineConfig
+    from pagoda.engine.async_engine import AsyncEngine
+    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.entrypoints.openai.api_server import run_server
+
+    # A key on the command line shows in `ps`: PAGODA_API_KEY is the safer way to pass one.
+    keys = args.api_key or ([os.environ["PAGODA_API_KEY"]] if os.environ.get("PAGODA_API_KEY") else [])
+    names = args.served_model_name or [args.model]
+    engine = AsyncEngine(LLMEngine(EngineConfig.from_options(**engine_options(args))), names[0],
+                         max_queued_requests=args.max_queued_requests)
+    run_server(engine, host=args.host, port=args.port, served_model_names=names, api_keys=keys,
+               shutdown_timeout=args.shutdown_timeout)
+    return 0
+
+
+def add_serve_parser(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", action="append", help="model name clients use (repeatable; "
+                       "default: --model)")
+    serve.add_argument("--api-key", action="append", help="require this bearer key on every route but /health "
+                       "(repeatable: each key is a tenant for fair sharing; default: $PAGODA_API_KEY)")
+    serve.add_argument("--max-queued-requests", type=int, default=1024,
+                       help="admitted requests not yet started; more are refused with 429")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    add_engine_flags(serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,19 +246,25 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     kv.add_argument("--block-size", type=int, default=16)
     kv.add_argument("--kv-cache-memory", default=None, help="budget, e.g. 512MiB (default: as the engine)")
+    kv.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="auto = the model dtype; int8 or fp8 with float16 scales")
     kv.add_argument("--context-len", type=int, action="append", help="context length (repeatable)")
     kv.add_argument("--json", action="store_true")
-    from pagoda.bench import throughput
+    add_serve_parser(sub)
+    from pagoda.bench import latency, serve, throughput
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     throughput.add_parser(bench, add_engine_flags)
+    latency.add_parser(bench, add_engine_flags)
+    serve.add_parser(bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    commands = {"generate": cmd_generate, "chat": cmd_chat, "kv-calc": cmd_kv_calc, "bench": cmd_bench}
+    commands = {"generate": cmd_generate, "chat": cmd_chat, "kv-calc": cmd_kv_calc, "bench": cmd_bench,
+                "serve": cmd_serve}
     try:
         return commands[args.command](args)
     except ValueError as e:

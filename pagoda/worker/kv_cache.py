@@ -1,7 +1,9 @@
 """Size the paged KV cache from a memory budget and allocate its per-layer tensors.
 
-bytes per token = layers x 2 (K and V) x kv_heads x head_dim x dtype bytes; the number of blocks
-is the budget divided by the bytes of one block (block_size tokens).
+bytes per token = layers x 2 (K and V) x kv_heads x (head_dim x element bytes + scale bytes); the
+number of blocks is the budget divided by the bytes of one block (block_size tokens). Elements are
+in the model dtype (kv_cache_dtype "auto") or int8 / fp8 with float16 scales per (token, kv head)
+or per (block, kv head) (see pagoda/layers/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagoda.layers.attention import PagedKVCache
+from pagoda.layers.kv_quant import SCALE_DTYPE, KVCacheSpec, kv_cache_spec
 from pagoda.model.llama import ArchConfig
 
 logger = logging.getLogger(__name__)
@@ -39,11 +43,13 @@ def default_kv_cache_memory() -> int:
 
 @dataclass(frozen=True)
 class KVCachePlan:
-    bytes_per_token: int
+    bytes_per_token: int | float  # bytes_per_block / block_size: fractional with per-block scales
     bytes_per_block: int
     block_size: int
     num_blocks: int
     budget_bytes: int
+    spec: KVCacheSpec  # storage dtype and scale layout
+    scale_bytes_per_block: int = 0  # of bytes_per_block, what the float16 scales take
 
     @property
     def num_tokens(self) -> int:
@@ -55,27 +61,40 @@ class KVCachePlan:
         return self.num_blocks / blocks_per_seq
 
 
-def plan_kv_cache(arch: ArchConfig, dtype: torch.dtype, block_size: int, budget_bytes: int) -> KVCachePlan:
-    per_token = arch.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
-    per_block = per_token * block_size
+def plan_kv_cache(arch: ArchConfig, dtype: torch.dtype, block_size: int, budget_bytes: int,
+                  kv_cache_dtype: str = "auto", scale_granularity: str = "token") -> KVCachePlan:
+    """dtype: the model's; kv_cache_dtype: 'auto' (the model's), 'int8' or 'fp8'."""
+    spec = kv_cache_spec(kv_cache_dtype, dtype, scale_granularity)
+    per_block = arch.num_layers * 2 * spec.bytes_per_block(block_size, arch.num_kv_heads, arch.head_dim)
+    scale_bytes = arch.num_layers * 2 * spec.scale_bytes_per_block(block_size, arch.num_kv_heads)
+    per_token = per_block // block_size if per_block % block_size == 0 else per_block / block_size
     num_blocks = budget_bytes // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory of {budget_bytes} bytes holds no block; one block of "
                          f"{block_size} tokens needs {per_block} bytes")
-    return KVCachePlan(per_token, per_block, block_size, num_blocks, budget_bytes)
+    return KVCachePlan(per_token, per_block, block_size, num_blocks, budget_bytes, spec, scale_bytes)
 
 
-def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype
-                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (K, V), each (num_blocks, block_size, num_kv_heads, head_dim), zeroed.
-
-    Zeroed, not empty: padded decode gathers read unused slots, and garbage could hold NaNs. The
-    memory comes from one calloc'd numpy buffer, so the kernel hands out zero pages lazily instead
-    of us writing gigabytes of zeros at start-up.
-    """
-    shape = (plan.num_blocks, plan.block_size, arch.num_kv_heads, arch.head_dim)
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor from one calloc'd numpy buffer: the kernel hands out zero pages lazily instead
+    of us writing gigabytes of zeros at start-up."""
     elem = torch.empty((), dtype=dtype).element_size()
-    per_tensor = plan.num_blocks * plan.block_size * arch.num_kv_heads * arch.head_dim
-    flat = torch.from_numpy(np.zeros(2 * arch.num_layers * per_tensor * elem, dtype=np.uint8)).view(dtype)
-    caches = flat.view(arch.num_layers, 2, *shape)
-    return [(caches[i, 0], caches[i, 1]) for i in range(arch.num_layers)]
+    return torch.from_numpy(np.zeros(int(np.prod(shape)) * elem, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype) -> list[PagedKVCache]:
+    """Per layer K and V, each (num_blocks, block_size, num_kv_heads, head_dim) in the plan's storage
+    dtype, plus their scales when quantized; all zeroed.
+
+    Zeroed, not empty: padded decode gathers read unused slots, and garbage could hold NaNs (a zero
+    scale dequantizes to zeros too). dtype is the model's; with kv_cache_dtype "auto" it is the storage.
+    """
+    spec = plan.spec
+    assert spec.quantized or spec.storage_dtype == dtype, (spec, dtype)
+    shape = (plan.num_blocks, plan.block_size, arch.num_kv_heads, arch.head_dim)
+    data = _zeros((arch.num_layers, 2, *shape), spec.storage_dtype)
+    scale_shape = spec.scale_shape(plan.num_blocks, plan.block_size, arch.num_kv_heads)
+    if scale_shape is None:
+        return [PagedKVCache(data[i, 0], data[i, 1], spec) for i in range(arch.num_layers)]
+    scales = _zeros((arch.num_layers, 2, *scale_shape), SCALE_DTYPE)
+    return [PagedKVCache(data[i, 0], data[i, 1], spec, scales[i, 0], scales[i, 1]) for i in range(arch.num_layers)]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.core.outputs import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
-from pagoda.layers.attention import AttentionMetadata
+from pagoda.layers.attention import AttentionMetadata, PagedKVCache
 from pagoda.layers.sampler import Sampler, SamplingRow, prompt_logprobs
 from pagoda.model.llama import LlamaForCausalLM
 
@@ -22,7 +22,7 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKVCache],
                  block_size: int) -> None:
         self.model = model
         self.kv_caches = kv_caches

@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from pagoda.layers.attention.paged_kv import PagedKVCache
+
 
 @dataclass
 class AttentionMetadata:
@@ -34,9 +36,9 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: (T, Hq, D); k, v: (T, Hkv, D); caches: (num_blocks, block_size, Hkv, D) -> (T, Hq, D)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: (T, Hq, D); k, v: (T, Hkv, D), written to kv_cache at meta.slot_mapping -> (T, Hq, D)."""
         ...
 
 

@@ -1,6 +1,7 @@
 """Portable torch attention over the paged KV cache: the reference other backends are tested against.
 
 GQA is handled by grouping query heads per KV head ((Hkv, group) views) so K/V are never repeated.
+The cache may be quantized: it quantizes on write and dequantizes on gather (`PagedKVCache`).
 """
 
 from __future__ import annotations
@@ -8,35 +9,28 @@ from __future__ import annotations
 import torch
 
 from pagoda.layers.attention.backend import AttentionMetadata
+from pagoda.layers.attention.paged_kv import PagedKVCache
 
 
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_blocks, block_size, hkv, d = k_cache.shape
-        k_cache.view(-1, hkv, d)[meta.slot_mapping] = k.to(k_cache.dtype)
-        v_cache.view(-1, hkv, d)[meta.slot_mapping] = v.to(v_cache.dtype)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        kv_cache.write(meta.slot_mapping, k, v)
         out = torch.empty_like(q)
         if meta.decode_idx:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], kv_cache, meta, scale)
         for i in meta.prefill_idx:
             lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[lo:hi] = self._prefill(q[lo:hi], k_cache, v_cache, meta.block_tables[i],
-                                       meta.seq_lens[i], scale)
+            out[lo:hi] = self._prefill(q[lo:hi], kv_cache, meta.block_tables[i], meta.seq_lens[i], scale)
         return out
 
-    @staticmethod
-    def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """(num_blocks, bs, Hkv, D) -> this sequence's context (seq_len, Hkv, D)."""
-        return cache[block_table].flatten(0, 1)[:seq_len]
-
-    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
+                 scale: float) -> torch.Tensor:
         n, hq, d = q.shape
-        keys = self._gather(k_cache, block_table, seq_len).to(q.dtype)  # (L, Hkv, D)
-        values = self._gather(v_cache, block_table, seq_len).to(q.dtype)
+        keys, values = kv_cache.gather(block_table, q.dtype)  # (num_blocks_i, bs, Hkv, D)
+        keys, values = keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len]  # (L, Hkv, D)
         hkv = keys.shape[1]
         # Query i sits at position seq_len - n + i and sees keys 0..that position.
         q_pos = torch.arange(seq_len - n, seq_len).unsqueeze(1)  # (n, 1)
@@ -48,13 +42,12 @@ class TorchAttentionBackend:
         out = torch.einsum("kgnl,lkd->nkgd", probs, values)  # (n, Hkv, G, D)
         return out.reshape(n, hq, d)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
         bd, hq, d = q.shape
-        hkv = k_cache.shape[2]
-        tables = meta.decode_block_tables  # (Bd, max_blocks)
-        keys = k_cache[tables].flatten(1, 2).to(q.dtype)  # (Bd, L_max, Hkv, D)
-        values = v_cache[tables].flatten(1, 2).to(q.dtype)
+        keys, values = kv_cache.gather(meta.decode_block_tables, q.dtype)  # (Bd, max_blocks, bs, Hkv, D)
+        keys, values = keys.flatten(1, 2), values.flatten(1, 2)  # (Bd, L_max, Hkv, D)
+        hkv = keys.shape[2]
         qg = q.view(bd, hkv, hq // hkv, d)  # (Bd, Hkv, G, D)
         scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * scale
         valid = torch.arange(keys.shape[1]).unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)  # (Bd, L_max)

@@ -1,0 +1,58 @@
+"""One layer's paged KV cache: what an attention backend writes new K/V into and reads context from.
+
+Stored in the model dtype, or quantized (int8 / fp8 with float16 scales, see `pagoda.layers.kv_quant`):
+quantized on write, dequantized on gather, so a backend never sees the storage format unless it wants to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.layers.kv_quant import KVCacheSpec, dequantize, write_block_scaled, write_token_scaled
+
+
+@dataclass
+class PagedKVCache:
+    k: torch.Tensor  # (num_blocks, block_size, Hkv, D) in spec.storage_dtype
+    v: torch.Tensor
+    spec: KVCacheSpec
+    # float16 scales when quantized: (num_blocks, block_size, Hkv) per token or (num_blocks, Hkv) per block
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (T, Hkv, D) go to slot_mapping (T,) = block_id * block_size + offset."""
+        hkv, d = k.shape[1:]
+        if self.k_scale is None or self.v_scale is None:
+            self.k.view(-1, hkv, d)[slot_mapping] = k.to(self.k.dtype)
+            self.v.view(-1, hkv, d)[slot_mapping] = v.to(self.v.dtype)
+            return
+        write = write_token_scaled if self.spec.scale_granularity == "token" else write_block_scaled
+        write(self.k, self.k_scale, slot_mapping, k)
+        write(self.v, self.v_scale, slot_mapping, v)
+
+    def gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_tables (..., n) -> K, V (..., n, block_size, Hkv, D) in dtype."""
+        return (self._gather(self.k, self.k_scale, block_tables, dtype),
+                self._gather(self.v, self.v_scale, block_tables, dtype))
+
+    def _gather(self, data: torch.Tensor, scale: torch.Tensor | None, block_tables: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        blocks = data[block_tables]  # (..., n, bs, Hkv, D)
+        if scale is None:
+            return blocks.to(dtype)
+        s = scale[block_tables]  # (..., n, bs, Hkv) per token, (..., n, Hkv) per block
+        s = s.unsqueeze(-1) if self.spec.scale_granularity == "token" else s[..., None, :, None]
+        return dequantize(blocks, s, dtype)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks src[i] -> dst[i] (copy-on-write), scales included."""
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            if t is not None:
+                t[dst] = t[src]

@@ -1,0 +1,77 @@
+"""`pagoda bench throughput --backend hf|pagoda` and `pagoda bench latency` on a tiny random model,
+with small numbers: they check what is counted and reported, never how fast anything is."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagoda.bench.hf_backend import generate_batch, left_pad, load_hf_model
+from pagoda.entrypoints.cli import main
+from tests.conftest import make_tiny_model
+
+ENGINE = ["--kv-cache-memory", "8MiB", "--max-num-batched-tokens", "64"]
+WORKLOAD = ["--num-prompts", "3", "--input-len", "4:9", "--output-len", "3", "--seed", "1"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("bench-tiny-llama"), "llama")
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_hf_and_pagoda_backends_run_the_same_workload(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["bench", "throughput", "--model", str(model_dir), *WORKLOAD, "--json", *ENGINE]
+    hf = run_json(capsys, *common, "--backend", "hf", "--hf-batch-size", "2")
+    pagoda = run_json(capsys, *common)
+    for result in (hf, pagoda):
+        assert result["num_requests"] == 3 and result["output_tokens"] == 9
+        for key in ("elapsed_s", "requests_per_second", "output_tokens_per_second", "total_tokens_per_second"):
+            assert result[key] > 0
+        assert set(result["ttft_s"]) == {"mean", "median", "p90", "p99"}
+        rate = (result["prompt_tokens"] + result["output_tokens"]) / result["elapsed_s"]
+        assert result["total_tokens_per_second"] == pytest.approx(rate)
+    assert hf["backend"] == "hf" and hf["hf_batch_size"] == 2 and pagoda["backend"] == "pagoda"
+    assert hf["prompt_tokens"] == pagoda["prompt_tokens"]  # the same prompts, token for token
+    assert 12 <= hf["prompt_tokens"] <= 27
+
+
+def test_hf_static_batch_generates_exactly_output_len(model_dir: Path) -> None:
+    hf = load_hf_model(str(model_dir), torch.float32)
+    eos = 257
+    # Make EOS the likeliest token everywhere: min_new_tokens must still hold every row to 6 tokens.
+    with torch.no_grad():
+        hf.lm_head.weight[eos] = hf.lm_head.weight.abs().max() * 50
+    tokens, first = generate_batch(hf, [[1, 2, 3], [4, 5, 6, 7, 8]], 6, pad_id=eos, eos_id=eos, seed=0)
+    assert tokens == 2 * 6 and first is not None
+
+
+def test_left_pad() -> None:
+    ids, mask = left_pad([[5, 6], [7, 8, 9]], pad_id=0)
+    assert ids.tolist() == [[0, 5, 6], [7, 8, 9]] and mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+
+
+def test_latency_reports_every_timed_iteration(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(capsys, "bench", "latency", "--model", str(model_dir), "--batch-size", "2", "--input-len", "6",
+                      "--output-len", "3", "--num-iters", "3", "--num-iters-warmup", "1", "--json", *ENGINE)
+    assert len(result["latencies_s"]) == 3 and all(t > 0 for t in result["latencies_s"])
+    assert set(result["latency_s"]) == {"mean", "median", "p90", "p99"}
+    assert result["avg_latency_s"] == pytest.approx(sum(result["latencies_s"]) / 3)
+    assert (result["batch_size"], result["input_len"], result["output_len"]) == (2, 6, 3)
+    assert main(["bench", "latency", "--model", str(model_dir), "--num-iters", "0", *ENGINE]) == 2
+
+
+def test_llamacpp_backend_says_how_to_install(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed, whatever this machine has
+    assert main(["bench", "throughput", "--backend", "llamacpp", "--model", str(model_dir), *WORKLOAD]) == 2
+    assert "pip install llama-cpp-python==" in capsys.readouterr().err
