@@ -79,6 +79,7 @@ class CacheConfig:
     # Per token: the more accurate in BENCHMARKS.md, and independent of chunking; per block: ~3% more tokens.
     kv_cache_scale_granularity: str = "token"
     enable_prefix_caching: bool = True
+    kv_offload_memory: int | None = None  # bytes of the second KV tier (host pool); None or 0: no tier
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -91,6 +92,8 @@ class CacheConfig:
         if self.kv_cache_scale_granularity not in KV_CACHE_SCALE_GRANULARITIES:
             raise ValueError(f"kv_cache_scale_granularity must be one of "
                              f"{', '.join(KV_CACHE_SCALE_GRANULARITIES)}; got {self.kv_cache_scale_granularity!r}")
+        if self.kv_offload_memory:
+            _positive_int("kv_offload_memory", self.kv_offload_memory, 1 << 50)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
 
@@ -123,8 +126,8 @@ class EngineConfig:
         for key, value in options.items():
             if value is None:
                 continue
-            if key == "kv_cache_memory":
-                value = parse_size(value)  # type: ignore[arg-type]
+            if key in ("kv_cache_memory", "kv_offload_memory"):
+                value = parse_size(value, key)  # type: ignore[arg-type]
             group = next((g for g, f in fields.items() if key in f), None)
             if group is None:
                 allowed = sorted(k for f in fields.values() for k in f)

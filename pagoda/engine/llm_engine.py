@@ -11,13 +11,15 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.output_processor import ParentState, new_parent
-from pagoda.layers.attention import get_attention_backend
+from pagoda.layers.attention import PagedKVCache, get_attention_backend
 from pagoda.model.loader import load_model
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.kv_cache import KVCachePlan, allocate_kv_cache, default_kv_cache_memory, plan_kv_cache
 from pagoda.worker.model_runner import ModelRunner
+from pagoda.worker.offload import OffloadStore
+from pagoda.worker.offload import bytes_per_block as offload_bytes_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +51,29 @@ class LLMEngine:
                              config.cache.kv_cache_scale_granularity)
         max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         self.limits = EngineLimits(max_model_len, min(max_model_len, plan.num_tokens), plan)
+        caches = allocate_kv_cache(self.arch, plan, mc.torch_dtype)
+        offload = self._make_offload_store(caches)
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching,
-                                 f"{loaded.identity}:{mc.torch_dtype}")
+                                 f"{loaded.identity}:{mc.torch_dtype}", offload.num_slots if offload else 0)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(self.model, allocate_kv_cache(self.arch, plan, mc.torch_dtype), plan.block_size)
+        self.runner = ModelRunner(self.model, caches, plan.block_size, offload)
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
         self.stats = EngineStats()
         self._rng = random.Random(mc.seed)
         self._log_startup(loaded.path.name)
+
+    def _make_offload_store(self, caches: list[PagedKVCache]) -> OffloadStore | None:
+        """The second KV tier, when --kv-offload-memory is set (it needs prefix caching: blocks are
+        found there by hash)."""
+        budget = self.config.cache.kv_offload_memory
+        if not budget or not self.config.cache.enable_prefix_caching:
+            return None
+        per_block = offload_bytes_per_block(caches)
+        if budget < per_block:
+            raise ValueError(f"kv_offload_memory of {budget} bytes holds no block; one block needs {per_block} bytes")
+        logger.info("second KV tier: %d blocks in %.1f MiB of host memory", budget // per_block, budget / 2**20)
+        return OffloadStore(caches, budget // per_block)
 
     def _log_startup(self, name: str) -> None:
         p, lim = self.limits.kv, self.limits
@@ -195,7 +211,15 @@ class LLMEngine:
             "num_steps": self.stats.num_steps,
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
+            **self._offload_metrics(),
         }
+
+    def _offload_metrics(self) -> dict[str, int | float]:
+        tier = self.kv.offload
+        if tier is None:
+            return {}
+        return {"kv_offload_blocks_total": tier.num_slots, "kv_offload_blocks_used": len(tier),
+                "kv_offload_queries": tier.queries, "kv_offload_hits": tier.hits, "kv_offload_stores": tier.stores}
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; refused (False) while requests hold blocks."""

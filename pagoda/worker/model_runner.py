@@ -10,6 +10,7 @@ from pagoda.core.outputs import ModelRunnerOutput, SampledToken, ScheduledSeq, S
 from pagoda.layers.attention import AttentionMetadata, PagedKVCache
 from pagoda.layers.sampler import Sampler, SamplingRow, prompt_logprobs
 from pagoda.model.llama import LlamaForCausalLM
+from pagoda.worker.offload import OffloadStore
 
 
 @dataclass
@@ -23,9 +24,10 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKVCache],
-                 block_size: int) -> None:
+                 block_size: int, offload: OffloadStore | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.offload = offload  # the second KV tier: copies scheduled by the KV cache manager
         self.block_size = block_size
         self.sampler = Sampler()
 
@@ -70,6 +72,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.offload is not None:  # outs first: a block spilled this step may be refilled this step
+            self.offload.swap_out(sched.swap_out)
+            self.offload.swap_in(sched.swap_in)
         inputs = self.prepare(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         out = ModelRunnerOutput()

@@ -96,3 +96,29 @@ def test_n_samples_share_the_prompt_blocks(model_dir: Path, caching: bool) -> No
     # One copy of the 12 full prompt blocks, plus each sample's own last block: 12 + 4, not 4 x 13.
     assert peak <= 12 + 4
     assert engine.get_metrics()["kv_blocks_in_use"] == 0
+
+
+def test_second_tier_gives_identical_outputs_and_hits(model_dir: Path) -> None:
+    """A main cache too small for the conversation history: with the tier, evicted turns come back
+    from it instead of being recomputed; outputs are identical either way."""
+    rng = random.Random(3)
+    convs = [[rng.randrange(256) for _ in range(150)] for _ in range(4)]
+    results = {}
+    for tier in (None, "2MiB"):
+        # qwen3 tiny, float64: 2 layers x 2 x 1 kv head x 16 x 8 bytes = 512 B/token -> 256 tokens here
+        llm = LLM(str(model_dir), dtype="float64", kv_cache_memory=512 * 256, kv_offload_memory=tier)
+        outs = []
+        for turn in range(2):
+            for c in range(4):  # round-robin over conversations evicts each one's blocks between turns
+                out = llm.generate([convs[c]], GREEDY, use_tqdm=False)[0]
+                convs[c] = convs[c] + out.token_ids + [rng.randrange(256) for _ in range(10)]
+                outs.append((out.token_ids, out.num_cached_tokens))
+        results[tier] = (outs, llm.get_metrics())
+        rng = random.Random(3)
+        convs = [[rng.randrange(256) for _ in range(150)] for _ in range(4)]
+    assert [t for t, _ in results[None][0]] == [t for t, _ in results["2MiB"][0]]
+    metrics = results["2MiB"][1]
+    assert metrics["kv_offload_hits"] > 0 and metrics["kv_offload_stores"] > 0
+    # turn 2 found each conversation's earlier turn: in the tier (the main cache holds one at most)
+    assert all(c >= 144 for _, c in results["2MiB"][0][4:])
+    assert sum(c for _, c in results[None][0][4:]) < sum(c for _, c in results["2MiB"][0][4:])
