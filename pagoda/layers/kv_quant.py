@@ -155,7 +155,8 @@ def write_block_scaled(data: torch.Tensor, scale: torch.Tensor, slots: torch.Ten
     """
     bs, h, d = data.shape[1:]
     blocks, offsets = slots // bs, slots % bs
-    scale[blocks[offsets == 0]] = 0
+    fresh = blocks[offsets == 0]
+    scale[fresh], data[fresh] = 0, 0  # stale contents must not meet the re-quantization below
     touched, inverse = torch.unique(blocks, return_inverse=True)  # (U,), (T,)
     old = scale[touched].float()  # (U, H)
     amax = old * QMAX[data.dtype]
@@ -164,7 +165,7 @@ def write_block_scaled(data: torch.Tensor, scale: torch.Tensor, slots: torch.Ten
     grew = (new.float() > old).any(dim=-1)  # (U,)
     if bool(grew.any()):
         ids = touched[grew]
-        # (G, bs, H, D) with scales (G, 1, H, 1); a fresh block (old scale 0) dequantizes to zeros.
+        # (G, bs, H, D) with scales (G, 1, H, 1); a fresh block (zeros, old scale 0) stays zeros.
         values = dequantize(data[ids], old[grew][:, None, :, None], torch.float32)
         data[ids] = quantize(values, new[grew][:, None, :, None], data.dtype)
     scale[touched] = new

@@ -108,7 +108,7 @@ def test_second_tier_gives_identical_outputs_and_hits(model_dir: Path) -> None:
         # qwen3 tiny, float64: 2 layers x 2 x 1 kv head x 16 x 8 bytes = 512 B/token -> 256 tokens here
         llm = LLM(str(model_dir), dtype="float64", kv_cache_memory=512 * 256, kv_offload_memory=tier)
         outs = []
-        for turn in range(2):
+        for _turn in range(2):
             for c in range(4):  # round-robin over conversations evicts each one's blocks between turns
                 out = llm.generate([convs[c]], GREEDY, use_tqdm=False)[0]
                 convs[c] = convs[c] + out.token_ids + [rng.randrange(256) for _ in range(10)]
