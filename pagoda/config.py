@@ -55,12 +55,15 @@ class ModelConfig:
     dtype: str = "auto"  # auto = float32 on CPU
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0  # seeds the generators of requests that give no seed
+    attention_backend: str = "sdpa"  # sdpa (fused, default) or torch (the reference)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len, 1 << 20)
+        if self.attention_backend not in ("sdpa", "torch"):
+            raise ValueError(f"attention_backend must be sdpa or torch, got {self.attention_backend!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

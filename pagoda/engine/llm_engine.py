@@ -44,7 +44,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model
-        loaded = load_model(mc.model, mc.torch_dtype, get_attention_backend("torch"), mc.max_model_len)
+        loaded = load_model(mc.model, mc.torch_dtype, get_attention_backend(mc.attention_backend), mc.max_model_len)
         self.model, self.arch, self.tokenizer = loaded.model, loaded.arch, loaded.tokenizer
         budget = config.cache.kv_cache_memory or default_kv_cache_memory()
         plan = plan_kv_cache(self.arch, mc.torch_dtype, config.cache.block_size, budget, config.cache.kv_cache_dtype,

@@ -13,7 +13,7 @@ from pagoda.config import DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, parse_size
 from pagoda.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ("model", "dtype", "block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
-                "max_model_len", "enable_prefix_caching", "kv_cache_dtype", "kv_offload_memory")
+                "max_model_len", "enable_prefix_caching", "kv_cache_dtype", "kv_offload_memory", "attention_backend")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -29,6 +29,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "torch"],
+                   help="sdpa: torch's fused attention; torch: the plain reference implementation")
     g.add_argument("--kv-offload-memory", default=None,
                    help="second KV tier: host memory for cached blocks evicted from the cache, e.g. 2GiB")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

@@ -3,6 +3,8 @@ torch attention backend over an int8 / fp8 cache against the unquantized one on 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -176,14 +178,14 @@ STEPS = [[(0, 0, 21), (1, 0, 16)], [(0, 21, 1), (1, 16, 13), (2, 0, 5)], [(0, 22
          [(0, 23, 1), (1, 30, 1), (2, 6, 9)], [(0, 24, 1), (1, 31, 1), (2, 15, 1)]]
 
 
-def run_steps(spec: KVCacheSpec, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+def run_steps(spec: KVCacheSpec, dtype: torch.dtype, seed: int = 0, backend: Any = None) -> list[torch.Tensor]:
     hq, hkv, d, bs = 8, 2, 64, 4
     g = torch.Generator().manual_seed(seed)
     cache = make_cache(spec, num_blocks=40, block_size=bs, hkv=hkv, d=d)
     # Non-contiguous, shuffled blocks per sequence.
     perm = torch.randperm(40, generator=g)
     tables = [perm[0:10], perm[10:20], perm[20:30]]
-    backend, outs = TorchAttentionBackend(), []
+    backend, outs = backend or TorchAttentionBackend(), []
     for step in STEPS:
         t = sum(n for _, _, n in step)
         q = torch.randn(t, hq, d, generator=g, dtype=torch.float64).to(dtype)

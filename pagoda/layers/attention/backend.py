@@ -42,10 +42,15 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str = "torch") -> AttentionBackend:
+ATTENTION_BACKENDS = ("sdpa", "torch")
+
+
+def get_attention_backend(name: str = "sdpa") -> AttentionBackend:
+    """sdpa: torch's fused attention (the default); torch: the plain reference the others are tested against."""
+    from pagoda.layers.attention.sdpa import SDPAAttentionBackend
     from pagoda.layers.attention.torch_ref import TorchAttentionBackend
 
-    backends: dict[str, type] = {"torch": TorchAttentionBackend}
+    backends: dict[str, type] = {"sdpa": SDPAAttentionBackend, "torch": TorchAttentionBackend}
     if name not in backends:
         raise ValueError(f"attention backend must be one of {sorted(backends)}, got {name!r}")
     return backends[name]()  # type: ignore[no-any-return]

@@ -1,0 +1,57 @@
+"""Attention over the paged cache with torch's fused scaled_dot_product_attention (the CPU default).
+
+Same contract as the reference backend (`torch_ref.py`), which it is tested against. Differences:
+- the fused kernel (flash attention on CPU) instead of separate matmul / mask / softmax ops;
+- a prompt chunk with no earlier context attends to its own K/V as computed this step (causal),
+  without gathering them back from the cache, unless the cache is quantized (then every query
+  reads the stored values, so results do not depend on how the prompt was chunked);
+- GQA through `enable_gqa`, without repeating K/V in our code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.layers.attention.backend import AttentionMetadata
+from pagoda.layers.attention.paged_kv import PagedKVCache
+
+
+class SDPAAttentionBackend:
+    name = "sdpa"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        kv_cache.write(meta.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        if meta.decode_idx:
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], kv_cache, meta, scale)
+        for i in meta.prefill_idx:
+            lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            if meta.seq_lens[i] == hi - lo and not kv_cache.spec.quantized:
+                out[lo:hi] = _attend(q[lo:hi], k[lo:hi], v[lo:hi], None, scale)  # whole context is this chunk
+                continue
+            keys, values = kv_cache.gather(meta.block_tables[i], q.dtype)  # (num_blocks_i, bs, Hkv, D)
+            seq_len, n = meta.seq_lens[i], hi - lo
+            q_pos = torch.arange(seq_len - n, seq_len).unsqueeze(1)  # (n, 1): each query's position
+            mask = torch.arange(seq_len).unsqueeze(0) <= q_pos  # (n, L)
+            out[lo:hi] = _attend(q[lo:hi], keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len], mask, scale)
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        keys, values = kv_cache.gather(meta.decode_block_tables, q.dtype)  # (Bd, max_blocks, bs, Hkv, D)
+        keys, values = keys.flatten(1, 2), values.flatten(1, 2)  # (Bd, L_max, Hkv, D)
+        valid = torch.arange(keys.shape[1]).unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)  # (Bd, L_max)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),  # (Bd, H, 1 | L, D)
+            attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+        return o.squeeze(2)  # (Bd, Hq, D)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """q (n, Hq, D), k/v (L, Hkv, D), mask (n, L) or None for causal with L == n -> (n, Hq, D)."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
