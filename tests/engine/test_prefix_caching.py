@@ -20,8 +20,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_llm(model_dir: Path, caching: bool, **kw: object) -> LLM:
-    return LLM(str(model_dir), dtype="float64", max_model_len=1200, kv_cache_memory="64MiB",
-               enable_prefix_caching=caching, **kw)
+    options: dict[str, object] = {"kv_cache_memory": "64MiB", **kw}
+    return LLM(str(model_dir), dtype="float64", max_model_len=1200, enable_prefix_caching=caching, **options)
 
 
 def shared_prefix_prompts() -> list[list[int]]:
@@ -36,19 +36,23 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 def test_shared_prefix_same_outputs_and_90pct_fewer_prompt_tokens(model_dir: Path) -> None:
     prompts = shared_prefix_prompts()
     results = {}
-    for caching in (False, True):
-        llm = make_llm(model_dir, caching)
+    # off; on; on with a main cache that holds about one request (1,100 tokens), backed by a second tier
+    configs = {"off": (False, {}), "on": (True, {}),
+               "tier": (True, {"kv_cache_memory": 512 * 1100, "kv_offload_memory": "4MiB"})}
+    for name, (caching, extra) in configs.items():
+        llm = make_llm(model_dir, caching, **extra)
         llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # the system prompt's first run (warm)
         before = llm.get_metrics()["num_prompt_tokens_computed"]
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         computed = llm.get_metrics()["num_prompt_tokens_computed"] - before
-        results[caching] = ([o.token_ids for o in outs], computed, [o.num_cached_tokens for o in outs])
+        results[name] = ([o.token_ids for o in outs], computed, [o.num_cached_tokens for o in outs])
         assert llm.get_metrics()["kv_blocks_in_use"] == 0
-    assert results[True][0] == results[False][0]
-    assert results[False][1] == sum(len(p) for p in prompts)
-    assert results[True][1] <= 0.1 * results[False][1]
-    assert all(c >= SYSTEM_LEN - 16 for c in results[True][2])
-    assert all(c == 0 for c in results[False][2])
+    assert results["on"][0] == results["off"][0] == results["tier"][0]
+    assert results["off"][1] == sum(len(p) for p in prompts)
+    assert results["on"][1] <= 0.1 * results["off"][1]
+    assert all(c >= SYSTEM_LEN - 16 for c in results["on"][2])
+    assert all(c == 0 for c in results["off"][2])
+    assert results["tier"][1] < results["off"][1]
 
 
 def test_multi_turn_chat_hits_earlier_turns(model_dir: Path) -> None:
