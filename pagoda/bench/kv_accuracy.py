@@ -28,6 +28,7 @@ import torch
 from pagoda.config import DEFAULT_MODEL
 from pagoda.entrypoints.llm import LLM
 from pagoda.layers.attention import AttentionMetadata
+from pagoda.layers.attention.backend import build_attention_metadata
 from pagoda.model.llama import ArchConfig, LlamaForCausalLM
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.kv_cache import allocate_kv_cache, plan_kv_cache
@@ -67,14 +68,8 @@ class LayoutResult:
 
 def decode_metadata(tables: torch.Tensor, pos: int, block_size: int) -> AttentionMetadata:
     """Every row of tables (B, num_blocks) decodes the token at position pos."""
-    b = tables.shape[0]
-    seq_len = pos + 1
-    return AttentionMetadata(
-        slot_mapping=tables[:, pos // block_size] * block_size + pos % block_size,
-        query_start_loc=list(range(b + 1)), seq_lens=[seq_len] * b, block_tables=list(tables),
-        decode_idx=list(range(b)), decode_rows=torch.arange(b),
-        decode_block_tables=tables[:, : -(-seq_len // block_size)],
-        decode_seq_lens=torch.full((b,), seq_len, dtype=torch.long), prefill_idx=[])
+    used = tables[:, : pos // block_size + 1]
+    return build_attention_metadata([(row.tolist(), pos, 1) for row in used], block_size)
 
 
 @torch.inference_mode()

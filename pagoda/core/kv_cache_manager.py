@@ -101,6 +101,20 @@ class KVCacheManager:
             self.offload.end_step()
         return out, inn
 
+    def num_cached_blocks(self, token_ids: list[int], cache_salt: str | None) -> int:
+        """How many leading blocks of a prompt not yet queued are cached now (for admission control;
+        no side effects, stops hashing at the first miss)."""
+        if not self.enable_caching:
+            return 0
+        bs, count = self.block_size, 0
+        hashes: list[bytes] = []
+        for i in range((len(token_ids) - 1) // bs):
+            extend_hashes(hashes, self.root, [token_ids[i * bs:(i + 1) * bs]], cache_salt)
+            if self.pool.lookup(hashes[-1]) is None:
+                break
+            count += 1
+        return count
+
     def record_lookup(self, req: Request, num_hit_tokens: int) -> None:
         self.prefix_queries += req.num_tokens
         self.prefix_hits += num_hit_tokens

@@ -229,9 +229,12 @@ class LLMEngine:
                          cache_salt: str | None = None) -> int:
         """Blocks a new request may need over its life: its prompt (less prefix-cache hits) plus room
         for max_tokens in each of its n samples. For admission control."""
+        bs = self.kv.block_size
         out = min(max_tokens or self.limits.max_request_tokens, self.limits.max_request_tokens)
         total = min(len(prompt_token_ids) + out, self.limits.max_request_tokens)
-        return n * cdiv(total, self.kv.block_size)
+        shared = (len(prompt_token_ids) - 1) // bs  # full prompt blocks: one copy for all n samples
+        cached = self.kv.num_cached_blocks(prompt_token_ids, cache_salt)
+        return shared - cached + n * (cdiv(total, bs) - shared)
 
     def kv_free_blocks(self) -> int:
         """Blocks not held by any request (cached-free blocks count: they can be evicted)."""

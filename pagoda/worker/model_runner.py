@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.core.outputs import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
-from pagoda.layers.attention import AttentionMetadata, PagedKVCache
+from pagoda.layers.attention import AttentionMetadata
+from pagoda.layers.attention.backend import PagedKVCache, build_attention_metadata
 from pagoda.layers.sampler import Sampler, SamplingRow, prompt_logprobs
 from pagoda.model.llama import LlamaForCausalLM
 from pagoda.worker.offload import OffloadStore
@@ -32,42 +33,19 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        bs = self.block_size
         ids: list[int] = []
-        pos_parts, slot_parts, tables = [], [], []
-        query_start_loc, seq_lens = [0], []
+        positions: list[int] = []
         sample_rows, sample_seqs = [], []
         for seq in sched.seqs:
             start, n = seq.start_pos, seq.num_new_tokens
             ids.extend(seq.request.token_ids(start, start + n))
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            pos = torch.arange(start, start + n)
-            pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
-            tables.append(table)
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(start + n)
+            positions.extend(range(start, start + n))
             if seq.samples:
-                sample_rows.append(query_start_loc[-1] - 1)
+                sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
-        decode_idx = [i for i, s in enumerate(sched.seqs) if s.num_new_tokens == 1]
-        prefill_idx = [i for i, s in enumerate(sched.seqs) if s.num_new_tokens > 1]
-        max_blocks = max((len(tables[i]) for i in decode_idx), default=0)
-        decode_tables = torch.zeros((len(decode_idx), max_blocks), dtype=torch.long)
-        for row, i in enumerate(decode_idx):
-            decode_tables[row, : len(tables[i])] = tables[i]
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_parts),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=tables,
-            decode_idx=decode_idx,
-            decode_rows=torch.tensor([query_start_loc[i] for i in decode_idx], dtype=torch.long),
-            decode_block_tables=decode_tables,
-            decode_seq_lens=torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.long),
-            prefill_idx=prefill_idx,
-        )
-        return StepInputs(torch.tensor(ids, dtype=torch.long), torch.cat(pos_parts), meta,
+        meta = build_attention_metadata([(s.block_table, s.start_pos, s.num_new_tokens) for s in sched.seqs],
+                                        self.block_size)
+        return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
                           sample_rows, sample_seqs)
 
     @torch.inference_mode()

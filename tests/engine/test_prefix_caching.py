@@ -126,3 +126,15 @@ def test_second_tier_gives_identical_outputs_and_hits(model_dir: Path) -> None:
     # turn 2 found each conversation's earlier turn: in the tier (the main cache holds one at most)
     assert all(c >= 144 for _, c in results["2MiB"][0][4:])
     assert sum(c for _, c in results[None][0][4:]) < sum(c for _, c in results["2MiB"][0][4:])
+
+
+def test_kv_demand_counts_cached_prefix_and_shared_samples(model_dir: Path) -> None:
+    llm = make_llm(model_dir, True)
+    engine = llm.engine
+    prompt = [4] * 100  # 6 full blocks of 16 (the last token is never a hit), then 4 tokens
+    cold = engine.kv_demand_blocks(prompt, 28)  # 128 tokens: 8 blocks
+    assert cold == 8
+    assert engine.kv_demand_blocks(prompt, 28, n=4) == 6 + 4 * 2  # prompt's full blocks shared by the samples
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert engine.kv_demand_blocks(prompt, 28) == 8 - 6
+    assert engine.kv_demand_blocks(prompt, 28, cache_salt="other") == 8

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagoda.layers.attention import AttentionMetadata, PagedKVCache
+from pagoda.layers.attention.backend import build_attention_metadata
 from pagoda.layers.attention.torch_ref import TorchAttentionBackend
 from pagoda.layers.kv_quant import (
     QMAX,
@@ -152,24 +153,7 @@ def test_copy_blocks_copies_scales(granularity: str) -> None:
 
 def step_metadata(seqs: list[tuple[torch.Tensor, int, int]], block_size: int) -> AttentionMetadata:
     """seqs: (block_table, start position, new tokens) per sequence, as the model runner builds it."""
-    slots, qsl, seq_lens = [], [0], []
-    for table, start, n in seqs:
-        pos = torch.arange(start, start + n)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
-        qsl.append(qsl[-1] + n)
-        seq_lens.append(start + n)
-    decode_idx = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
-    width = max((len(seqs[i][0]) for i in decode_idx), default=0)
-    decode_tables = torch.zeros((len(decode_idx), width), dtype=torch.long)
-    for row, i in enumerate(decode_idx):
-        decode_tables[row, : len(seqs[i][0])] = seqs[i][0]
-    return AttentionMetadata(
-        slot_mapping=torch.cat(slots), query_start_loc=qsl, seq_lens=seq_lens,
-        block_tables=[t for t, _, _ in seqs], decode_idx=decode_idx,
-        decode_rows=torch.tensor([qsl[i] for i in decode_idx], dtype=torch.long),
-        decode_block_tables=decode_tables,
-        decode_seq_lens=torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.long),
-        prefill_idx=[i for i, (_, _, n) in enumerate(seqs) if n > 1])
+    return build_attention_metadata([(t.tolist(), start, n) for t, start, n in seqs], block_size)
 
 
 # Per step: (sequence, start, new tokens). Prompt chunks (one continuing an earlier chunk) and decodes

@@ -14,6 +14,17 @@ import torch
 
 from pagoda.layers.attention.paged_kv import PagedKVCache
 
+# Decodes are attended to in groups of similar context length: one padded batch per group. A group
+# grows while its padded size stays within this factor of its real size.
+DECODE_GROUP_PADDING = 1.25
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # (Bd,) int64 query rows
+    block_tables: torch.Tensor  # (Bd, max_blocks) int64, padded with block 0 (masked out)
+    seq_lens: torch.Tensor  # (Bd,) int64
+
 
 @dataclass
 class AttentionMetadata:
@@ -21,16 +32,51 @@ class AttentionMetadata:
     query_start_loc: list[int]  # (B + 1,) row offsets of each sequence's queries
     seq_lens: list[int]  # (B,) context length of each sequence after this step
     block_tables: list[torch.Tensor]  # B tensors (num_blocks_i,) int64
-    # Sequences with exactly one query (decodes), batched together:
-    decode_idx: list[int]  # sequence indices
-    decode_rows: torch.Tensor  # (Bd,) int64 query rows
-    decode_block_tables: torch.Tensor  # (Bd, max_blocks) int64, padded with 0
-    decode_seq_lens: torch.Tensor  # (Bd,) int64
+    decode_groups: list[DecodeGroup]  # sequences with exactly one query (decodes), batched
     prefill_idx: list[int]  # sequences with more than one query
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+
+def build_attention_metadata(seqs: list[tuple[list[int], int, int]], block_size: int) -> AttentionMetadata:
+    """seqs: (block table, start position, new tokens) per sequence, in batch order."""
+    tables = [torch.tensor(t, dtype=torch.long) for t, _, _ in seqs]
+    slots, qsl, seq_lens = [], [0], []
+    for table, (_, start, n) in zip(tables, seqs, strict=True):
+        pos = torch.arange(start, start + n)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(start + n)
+    decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slots), query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
+        decode_groups=[_decode_group(g, tables, qsl, seq_lens) for g in _group_by_length(decodes, tables)],
+        prefill_idx=[i for i, (_, _, n) in enumerate(seqs) if n > 1])
+
+
+def _group_by_length(idx: list[int], tables: list[torch.Tensor]) -> list[list[int]]:
+    """Split sequences (sorted by blocks) so that padding each group to its longest wastes little."""
+    groups: list[list[int]] = []
+    blocks = 0
+    for i in sorted(idx, key=lambda i: len(tables[i])):
+        n = len(tables[i])  # the longest so far in its group: sorted ascending
+        if groups and (len(groups[-1]) + 1) * n <= DECODE_GROUP_PADDING * (blocks + n):
+            groups[-1].append(i)
+            blocks += n
+        else:
+            groups.append([i])
+            blocks = n
+    return groups
+
+
+def _decode_group(idx: list[int], tables: list[torch.Tensor], qsl: list[int], seq_lens: list[int]) -> DecodeGroup:
+    padded = torch.zeros((len(idx), max(len(tables[i]) for i in idx)), dtype=torch.long)
+    for row, i in enumerate(idx):
+        padded[row, : len(tables[i])] = tables[i]
+    return DecodeGroup(rows=torch.tensor([qsl[i] for i in idx], dtype=torch.long), block_tables=padded,
+                       seq_lens=torch.tensor([seq_lens[i] for i in idx], dtype=torch.long))
 
 
 class AttentionBackend(Protocol):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.attention.backend import AttentionMetadata
+from pagoda.layers.attention.backend import AttentionMetadata, DecodeGroup
 from pagoda.layers.attention.paged_kv import PagedKVCache
 
 
@@ -24,8 +24,8 @@ class SDPAAttentionBackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         kv_cache.write(meta.slot_mapping, k, v)
         out = torch.empty_like(q)
-        if meta.decode_idx:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], kv_cache, meta, scale)
+        for group in meta.decode_groups:
+            out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)
         for i in meta.prefill_idx:
             lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             if meta.seq_lens[i] == hi - lo and not kv_cache.spec.quantized:
@@ -39,10 +39,10 @@ class SDPAAttentionBackend:
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        keys, values = kv_cache.gather(meta.decode_block_tables, q.dtype)  # (Bd, max_blocks, bs, Hkv, D)
+    def _decode(q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
+        keys, values = kv_cache.gather(group.block_tables, q.dtype)  # (Bd, max_blocks, bs, Hkv, D)
         keys, values = keys.flatten(1, 2), values.flatten(1, 2)  # (Bd, L_max, Hkv, D)
-        valid = torch.arange(keys.shape[1]).unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)  # (Bd, L_max)
+        valid = torch.arange(keys.shape[1]).unsqueeze(0) < group.seq_lens.unsqueeze(1)  # (Bd, L_max)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),  # (Bd, H, 1 | L, D)
             attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)

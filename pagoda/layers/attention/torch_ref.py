@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.layers.attention.backend import AttentionMetadata
+from pagoda.layers.attention.backend import AttentionMetadata, DecodeGroup
 from pagoda.layers.attention.paged_kv import PagedKVCache
 
 
@@ -19,8 +19,8 @@ class TorchAttentionBackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         kv_cache.write(meta.slot_mapping, k, v)
         out = torch.empty_like(q)
-        if meta.decode_idx:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], kv_cache, meta, scale)
+        for group in meta.decode_groups:
+            out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)
         for i in meta.prefill_idx:
             lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[lo:hi] = self._prefill(q[lo:hi], kv_cache, meta.block_tables[i], meta.seq_lens[i], scale)
@@ -42,15 +42,14 @@ class TorchAttentionBackend:
         out = torch.einsum("kgnl,lkd->nkgd", probs, values)  # (n, Hkv, G, D)
         return out.reshape(n, hq, d)
 
-    def _decode(self, q: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
         bd, hq, d = q.shape
-        keys, values = kv_cache.gather(meta.decode_block_tables, q.dtype)  # (Bd, max_blocks, bs, Hkv, D)
+        keys, values = kv_cache.gather(group.block_tables, q.dtype)  # (Bd, max_blocks, bs, Hkv, D)
         keys, values = keys.flatten(1, 2), values.flatten(1, 2)  # (Bd, L_max, Hkv, D)
         hkv = keys.shape[2]
         qg = q.view(bd, hkv, hq // hkv, d)  # (Bd, Hkv, G, D)
         scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * scale
-        valid = torch.arange(keys.shape[1]).unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)  # (Bd, L_max)
+        valid = torch.arange(keys.shape[1]).unsqueeze(0) < group.seq_lens.unsqueeze(1)  # (Bd, L_max)
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.einsum("bkgl,blkd->bkgd", probs, values)
