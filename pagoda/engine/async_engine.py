@@ -82,6 +82,11 @@ class Channel:
         return await self._queue.get()
 
 
+def _settle(fut: asyncio.Future[bool], value: bool) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None], exc: BaseException | None) -> None:
     """Thread-safe: settle an admission future unless its waiter was cancelled meanwhile."""
     def settle() -> None:
@@ -117,7 +122,13 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Kill | _Stop
+@dataclass(frozen=True)
+class _ResetPrefixCache:
+    done: asyncio.Future[bool]
+    loop: asyncio.AbstractEventLoop
+
+
+_Command = _Add | _Abort | _Kill | _Stop | _ResetPrefixCache
 
 
 @dataclass
@@ -194,6 +205,13 @@ class AsyncEngine:
         except EngineDeadError:
             pass  # nothing runs any more
 
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached KV block; False (nothing done) while requests are running."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[bool] = loop.create_future()
+        self._put(_ResetPrefixCache(done, loop))
+        return await done
+
     def kill_for_test(self) -> None:
         self._put(_Kill())
 
@@ -232,6 +250,8 @@ class AsyncEngine:
                 raise RuntimeError("engine loop killed by the test hook")
             if isinstance(cmd, _Abort):
                 self._abort(cmd.request_id)
+            elif isinstance(cmd, _ResetPrefixCache):
+                cmd.loop.call_soon_threadsafe(_settle, cmd.done, self.engine.reset_prefix_cache())
             else:
                 self._admit(cmd)
             try:

@@ -148,6 +148,10 @@ def test_repeated_prompt_reports_cached_tokens(server: ServerProcess) -> None:
     _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
     usage = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 16  # at least one full block hit
+    r = httpx.post(server.url + "/reset_prefix_cache", headers=server.headers)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    usage = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_api_key_required_everywhere_but_health(server: ServerProcess) -> None:

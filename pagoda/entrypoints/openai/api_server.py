@@ -263,8 +263,18 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return await generate(request, req, serving.prepare_chat)
 
     _add_token_routes(app, state)
+    _add_admin_routes(app, engine)
     if os.environ.get(TEST_HOOKS_ENV) == "1":
         _add_test_hooks(app, engine)
+
+
+def _add_admin_routes(app: FastAPI, engine: AsyncEngine) -> None:
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, str]:
+        if not await engine.reset_prefix_cache():
+            raise APIError(409, "the prefix cache can only be reset while no request is running; retry when idle",
+                           code="requests_running")
+        return {"status": "ok"}
 
 
 def _add_test_hooks(app: FastAPI, engine: AsyncEngine) -> None:
