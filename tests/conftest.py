@@ -81,3 +81,12 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[
         logprobs.append(float(logp[tok]))
         out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens, logprobs
+
+
+def check_greedy_against_reference(outputs: list[Any], reference: list[tuple[list[int], list[float]]],
+                                   prompt_lens: list[int], logprob_tol: float) -> None:
+    """Token ids equal the reference exactly; chosen-token logprobs within logprob_tol."""
+    for i, (out, (ref_tokens, ref_logprobs)) in enumerate(zip(outputs, reference, strict=True)):
+        assert out.token_ids == ref_tokens, f"prompt {i} ({prompt_lens[i]} tokens)"
+        got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
+        assert got == pytest.approx(ref_logprobs, abs=logprob_tol), f"prompt {i} logprobs"

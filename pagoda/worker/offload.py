@@ -29,20 +29,20 @@ class OffloadStore:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy (block -> slot) for every layer."""
-        if not pairs:
-            return
-        blocks = torch.tensor([b for b, _ in pairs], dtype=torch.long)
-        slots = torch.tensor([s for _, s in pairs], dtype=torch.long)
-        for cache, stored in zip(self.caches, self.slots, strict=True):
-            for src, dst in zip(_tensors(cache), stored, strict=True):
-                dst[slots] = src[blocks]
+        self._copy([b for b, _ in pairs], [s for _, s in pairs], to_slots=True)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy (slot -> block) for every layer."""
-        if not pairs:
+        self._copy([b for _, b in pairs], [s for s, _ in pairs], to_slots=False)
+
+    def _copy(self, blocks: list[int], slots: list[int], to_slots: bool) -> None:
+        if not blocks:
             return
-        slots = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-        blocks = torch.tensor([b for _, b in pairs], dtype=torch.long)
+        b = torch.tensor(blocks, dtype=torch.long)
+        s = torch.tensor(slots, dtype=torch.long)
         for cache, stored in zip(self.caches, self.slots, strict=True):
-            for dst, src in zip(_tensors(cache), stored, strict=True):
-                dst[blocks] = src[slots]
+            for main, host in zip(_tensors(cache), stored, strict=True):
+                if to_slots:
+                    host[s] = main[b]
+                else:
+                    main[b] = host[s]

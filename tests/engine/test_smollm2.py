@@ -19,7 +19,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.model.loader import resolve_model_path
-from tests.conftest import hf_greedy
+from tests.conftest import check_greedy_against_reference, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -67,10 +67,7 @@ def params() -> SamplingParams:
 
 
 def check(outputs: list, reference: list[tuple[list[int], list[float]]]) -> None:
-    for i, (out, (ref_tokens, ref_logprobs)) in enumerate(zip(outputs, reference, strict=True)):
-        assert out.token_ids == ref_tokens, f"prompt {i} ({PROMPT_LENS[i]} tokens)"
-        got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
-        assert got == pytest.approx(ref_logprobs, abs=1e-4), f"prompt {i} logprobs"
+    check_greedy_against_reference(outputs, reference, PROMPT_LENS, logprob_tol=1e-4)
 
 
 def test_one_at_a_time(llm: LLM, prompts: list[list[int]], reference: list) -> None:
