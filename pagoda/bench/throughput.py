@@ -51,6 +51,7 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
     prompts = [w.prompt for w in work]
     params = [SamplingParams(temperature=1.0, seed=args.seed + i, max_tokens=w.output_len, ignore_eos=True)
               for i, w in enumerate(work)]
+    profiler = llm.engine.enable_profiling() if getattr(args, "profile", False) else None
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.json)
     elapsed = time.perf_counter() - start
@@ -66,6 +67,8 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
         "prefix_cache_hit_tokens": metrics["prefix_cache_hits"],
         "num_preemptions": metrics["num_preemptions"],
     })
+    if profiler is not None:
+        result["profile"] = profiler.report()
     return result
 
 
@@ -97,6 +100,8 @@ def add_parser(sub: Any, add_engine_flags: Any) -> None:
                    help="llamacpp backend: tokens per llama_decode call (its n_batch)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the llamacpp backend (default: all cores)")
+    p.add_argument("--profile", action="store_true",
+                   help="pagoda backend: break each step's time down by phase and module kind")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_flags(p)
 
@@ -115,3 +120,5 @@ def report(result: dict[str, Any], as_json: bool) -> None:
     if "prompt_tokens_computed" in result:
         print(f"  prompt tokens computed {result['prompt_tokens_computed']}, prefix-cache hits "
               f"{result['prefix_cache_hit_tokens']} tokens, preemptions {result['num_preemptions']}")
+    for name, v in result.get("profile", {}).items():
+        print(f"  {name:<28} {v['ms_per_step']:9.2f} ms/step {100 * v['share']:6.1f}%")

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
+from pagoda.core.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.output_processor import ParentState, new_parent
 from pagoda.layers.attention import PagedKVCache, get_attention_backend
 from pagoda.model.loader import load_model
 from pagoda.outputs import RequestOutput
+from pagoda.profiler import NULL_PROFILER, StepProfiler
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.kv_cache import KVCachePlan, allocate_kv_cache, default_kv_cache_memory, plan_kv_cache
@@ -61,6 +63,7 @@ class LLMEngine:
         self.child_to_parent: dict[str, str] = {}
         self.stats = EngineStats()
         self._rng = random.Random(mc.seed)
+        self.profiler: StepProfiler = NULL_PROFILER
         self._log_startup(loaded.path.name)
 
     def _make_offload_store(self, caches: list[PagedKVCache]) -> OffloadStore | None:
@@ -151,18 +154,39 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one model step; returns outputs of the requests that produced tokens or finished."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            # Admission guarantees a lone request fits, so an empty step with work queued is a bug.
-            assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests queued"
-            return []
+        prof = self.profiler
+        with prof.phase("step"):
+            with prof.phase("schedule"):
+                sched = self.scheduler.schedule()
+            if sched.is_empty:
+                # Admission guarantees a lone request fits, so an empty step with work queued is a bug.
+                assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests queued"
+                return []
+            self._record_scheduled(sched)
+            with prof.phase("execute"):
+                result = self.runner.execute(sched)
+            with prof.phase("update"):
+                new_tokens = self.scheduler.update(sched, result)
+            with prof.phase("output_processing"):
+                return self._process_outputs(sched, result, new_tokens)
+
+    def enable_profiling(self) -> StepProfiler:
+        """Start timing each step's phases (see pagoda/profiler.py); returns the profiler to report."""
+        if self.profiler is NULL_PROFILER:
+            self.profiler = StepProfiler()
+            self.profiler.attach(self.model)
+            self.runner.profiler = self.profiler
+        return self.profiler
+
+    def _record_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
         for seq in sched.seqs:
             seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
             self.stats.num_prompt_tokens_computed += max(
                 0, min(seq.start_pos + seq.num_new_tokens, seq.request.num_prompt_tokens) - seq.start_pos)
-        result = self.runner.execute(sched)
-        new_tokens = self.scheduler.update(sched, result)
+
+    def _process_outputs(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                         new_tokens: list[tuple[Request, SampledToken]]) -> list[RequestOutput]:
         self.stats.num_steps += 1
         self.stats.num_generation_tokens += len(new_tokens)
         touched: dict[str, ParentState] = {}

@@ -11,6 +11,7 @@ from pagoda.layers.attention import AttentionMetadata
 from pagoda.layers.attention.backend import PagedKVCache, build_attention_metadata
 from pagoda.layers.sampler import Sampler, SamplingRow, prompt_logprobs
 from pagoda.model.llama import LlamaForCausalLM
+from pagoda.profiler import NULL_PROFILER, StepProfiler
 from pagoda.worker.offload import OffloadStore
 
 
@@ -31,6 +32,7 @@ class ModelRunner:
         self.offload = offload  # the second KV tier: copies scheduled by the KV cache manager
         self.block_size = block_size
         self.sampler = Sampler()
+        self.profiler: StepProfiler = NULL_PROFILER
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         ids: list[int] = []
@@ -53,8 +55,15 @@ class ModelRunner:
         if self.offload is not None:  # outs first: a block spilled this step may be refilled this step
             self.offload.swap_out(sched.swap_out)
             self.offload.swap_in(sched.swap_in)
-        inputs = self.prepare(sched)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        prof = self.profiler
+        with prof.phase("prepare_inputs"):
+            inputs = self.prepare(sched)
+        with prof.phase("forward"):
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        with prof.phase("sampling"):
+            return self._sample(sched, inputs, hidden)
+
+    def _sample(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
         if inputs.sample_rows:
             logits = self._logits(hidden[inputs.sample_rows])

@@ -156,3 +156,16 @@ def test_priority_runs_first_when_only_one_fits(model_dir: Path) -> None:
 def test_chat_applies_template(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert llm.get_tokenizer().decode(out.prompt_token_ids) == "<|user|>hi\n<|assistant|>"
+
+
+def test_profile_breaks_a_step_down_by_phase_and_module(model_dir: Path) -> None:
+    prof_llm = LLM(str(model_dir), kv_cache_memory="2MiB")
+    prof = prof_llm.engine.enable_profiling()
+    prof_llm.generate([[1] * 40, [2] * 7], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    report = prof.report()
+    for phase in ("step", "schedule", "execute", "prepare_inputs", "forward", "sampling", "update",
+                  "output_processing", "forward/attention", "forward/mlp_linear", "forward/lm_head"):
+        assert report[phase]["ms_per_step"] > 0, phase
+    assert prof.counts["step"] == prof_llm.get_metrics()["num_steps"]
+    parts = sum(report[p]["share"] for p in ("schedule", "execute", "update", "output_processing"))
+    assert 0.5 < parts <= 1.0 + 1e-9  # the phases are inside the step and do not overlap

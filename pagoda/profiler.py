@@ -1,0 +1,84 @@
+"""Step-time breakdown (`--profile`): where each engine step's wall time goes.
+
+Phases of a step (schedule, input preparation, forward, sampling, scheduler update, output
+processing) are timed around their calls; inside the forward pass, forward hooks time the modules
+by kind (attention and MLP blocks, their linear layers, norms, embedding, lm_head). Off unless
+asked for: the engine then uses `NULL_PROFILER`, whose phases cost one no-op context manager.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+
+class StepProfiler:
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+        self._starts: dict[int, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] += time.perf_counter() - start
+            self.counts[name] += 1
+
+    def attach(self, model: nn.Module) -> None:
+        """Time modules by kind with forward hooks (leaves timed inside their blocks too)."""
+        for name, module in model.named_modules():
+            kind = _kind(name, module)
+            if kind is not None:
+                module.register_forward_pre_hook(self._pre)
+                module.register_forward_hook(self._post(kind))
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        self._starts[id(module)] = time.perf_counter()
+
+    def _post(self, kind: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.totals[f"forward/{kind}"] += time.perf_counter() - self._starts.pop(id(module))
+        return hook
+
+    def report(self) -> dict[str, dict[str, float]]:
+        """Per phase: ms per step and share of the step. Derived: attention and MLP without their linears."""
+        t = dict(self.totals)
+        t["forward/attention_core"] = t.get("forward/attention", 0.0) - t.get("forward/attention_linear", 0.0)
+        t["forward/mlp_activation"] = t.get("forward/mlp", 0.0) - t.get("forward/mlp_linear", 0.0)
+        step = t.get("step", 0.0) or 1e-12
+        n = max(self.counts.get("step", 0), 1)
+        return {k: {"ms_per_step": 1000 * v / n, "share": v / step} for k, v in sorted(t.items())}
+
+
+def _kind(name: str, module: nn.Module) -> str | None:
+    cls = type(module).__name__
+    if cls == "Attention":
+        return "attention"
+    if cls == "MLP":
+        return "mlp"
+    if isinstance(module, nn.Linear):
+        if name == "lm_head":
+            return "lm_head"
+        return "attention_linear" if ".self_attn." in name else "mlp_linear"
+    if cls == "RMSNorm":
+        return "norm"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    return None
+
+
+class _NullProfiler(StepProfiler):
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+
+
+NULL_PROFILER = _NullProfiler()
