@@ -169,3 +169,13 @@ def test_profile_breaks_a_step_down_by_phase_and_module(model_dir: Path) -> None
     assert prof.counts["step"] == prof_llm.get_metrics()["num_steps"]
     parts = sum(report[p]["share"] for p in ("schedule", "execute", "update", "output_processing"))
     assert 0.5 < parts <= 1.0 + 1e-9  # the phases are inside the step and do not overlap
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_selectable_dtypes_run(model_dir: Path, dtype: str) -> None:
+    llm16 = LLM(str(model_dir), dtype=dtype, kv_cache_memory="4MiB", max_num_batched_tokens=32)
+    outs = llm16.generate([[1] * 70, [5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                          use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [6, 6]
+    assert str(llm16.engine.model.lm_head.weight.dtype) == f"torch.{dtype}"
+    assert llm16.get_metrics()["kv_blocks_in_use"] == 0
