@@ -55,8 +55,9 @@ class LLMEngine:
         self.limits = EngineLimits(max_model_len, min(max_model_len, plan.num_tokens), plan)
         caches = allocate_kv_cache(self.arch, plan, mc.torch_dtype)
         offload = self._make_offload_store(caches)
-        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching,
-                                 f"{loaded.identity}:{mc.torch_dtype}", offload.num_slots if offload else 0)
+        identity = f"{loaded.identity}:{mc.torch_dtype}:{plan.spec.name}"  # whose K/V a cached block holds
+        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching, identity,
+                                 offload.num_slots if offload else 0)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, caches, plan.block_size, offload)
         self.parents: dict[str, ParentState] = {}
@@ -82,8 +83,8 @@ class LLMEngine:
         p, lim = self.limits.kv, self.limits
         logger.info("model %s (%s, %d layers, %d kv heads x %d), dtype %s", name, self.arch.model_type,
                     self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim, self.config.model.torch_dtype)
-        logger.info("KV cache: %.1f MiB budget, %d bytes/token, %d blocks of %d tokens = %d tokens; "
-                    "max concurrency at max_model_len %d: %.2f", p.budget_bytes / 2**20, p.bytes_per_token,
+        logger.info("KV cache (%s): %.1f MiB budget, %g bytes/token, %d blocks of %d tokens = %d tokens; "
+                    "max concurrency at max_model_len %d: %.2f", p.spec.name, p.budget_bytes / 2**20, p.bytes_per_token,
                     p.num_blocks, p.block_size, p.num_tokens, lim.max_model_len, p.max_concurrency(lim.max_model_len))
         if lim.max_request_tokens < lim.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: one request is "
