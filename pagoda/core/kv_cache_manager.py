@@ -29,6 +29,9 @@ def cdiv(a: int, b: int) -> int:
 class PrefixHit:
     blocks: list[int]  # cached blocks in the main pool, in chain order
     tier: list[tuple[bytes, int]]  # then (hash, slot) in the second tier, continuing the chain
+    # The next block of the chain is being computed by a running request: waiting a step or two
+    # for it beats computing the same prefix twice.
+    in_flight: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -47,6 +50,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.root = root_hash(model_identity)
         self.block_tables: dict[str, list[int]] = {}
+        # Hashes of full prompt blocks that admitted requests will compute, until they are registered.
+        self._in_flight: dict[bytes, str] = {}
+        self._in_flight_by_req: dict[str, list[bytes]] = {}
         self._num_registered: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
@@ -84,6 +90,8 @@ class KVCacheManager:
                 if slot is None:
                     break
                 hit.tier.append((h, slot))
+        rest = hashes[hit.num_blocks:]
+        hit.in_flight = bool(rest) and self._in_flight.get(rest[0], req.request_id) != req.request_id
         return hit
 
     def _spill(self, block_id: int, block_hash: bytes) -> None:
@@ -147,7 +155,23 @@ class KVCacheManager:
             self.pool.register_hash(block_id, block_hash)
         if prefix and prefix.num_blocks:
             self._num_registered[request.request_id] = prefix.num_blocks
+        if prefix is not None and self.enable_caching:
+            self._mark_in_flight(request, prefix.num_blocks)
         return True
+
+    def _mark_in_flight(self, req: Request, num_hit_blocks: int) -> None:
+        """Note the prompt's full blocks this request will compute (admission only)."""
+        mine = [h for h in self._hashes(req, req.num_prompt_tokens // self.block_size)[num_hit_blocks:]
+                if h not in self._in_flight and self.pool.lookup(h) is None]
+        for h in mine:
+            self._in_flight[h] = req.request_id
+        if mine:
+            self._in_flight_by_req[req.request_id] = mine
+
+    def _clear_in_flight(self, request_id: str) -> None:
+        for h in self._in_flight_by_req.pop(request_id, []):
+            if self._in_flight.get(h) == request_id:
+                del self._in_flight[h]
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the blocks that `req` has completely computed under their chained hashes."""
@@ -158,10 +182,13 @@ class KVCacheManager:
         table = self.block_tables[req.request_id]
         for i, h in enumerate(self._hashes(req, full)[done:], start=done):
             self.pool.register_hash(table[i], h)
+            if self._in_flight.get(h) == req.request_id:
+                del self._in_flight[h]
         self._num_registered[req.request_id] = full
 
     def free(self, request: Request) -> None:
         self._num_registered.pop(request.request_id, None)
+        self._clear_in_flight(request.request_id)
         table = self.block_tables.pop(request.request_id, None)
         if table:
             self.pool.free(table)

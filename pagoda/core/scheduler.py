@@ -128,6 +128,8 @@ class Scheduler:
             if not self._leader_ready(req):
                 continue
             hit = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else PrefixHit([], [])
+            if hit.in_flight:
+                continue  # its next prefix block is being computed by a running request: hit it later
             num_cached = hit.num_blocks * self.kv.block_size
             n = min(req.num_tokens - num_cached - req.num_computed_tokens, budget - used)
             if not self.kv.allocate_slots(req, n + num_cached, prefix=hit):

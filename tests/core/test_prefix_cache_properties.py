@@ -162,3 +162,17 @@ def test_second_tier_brings_evicted_blocks_back() -> None:
             fake.check(kv, reqs)
     assert kv.offload is not None and kv.offload.stores >= 2  # a's two, then some of b's
     assert reqs[2].num_cached_tokens == 4 and kv.offload.hits == 2
+
+
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice() -> None:
+    kv = KVCacheManager(64, 4, model_identity="m")
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=100), kv)
+    shared = list(range(1, 41))  # 10 full blocks
+    a, b = _req("a", shared + [50, 51]), _req("b", shared + [60])
+    s.add_request(a)
+    s.add_request(b)
+    first = s.schedule()
+    assert [x.request.request_id for x in first.seqs] == ["a"]  # b waits: its prefix is in flight
+    s.update(first, ModelRunnerOutput(sampled={"a": SampledToken(9, 0.0)}))
+    second = s.schedule()
+    assert b.num_cached_tokens == 40 and [x.num_new_tokens for x in second.seqs if x.request is b] == [1]
