@@ -88,6 +88,35 @@ class AttentionBackend(Protocol):
         ...
 
 
+class PagedAttentionBackend:
+    """The step loop every backend shares: write this step's K/V, then attend decode groups batched
+    and prompt chunks one sequence at a time. Subclasses say how to attend."""
+
+    name = "base"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        kv_cache.write(meta.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        for group in meta.decode_groups:
+            out[group.rows] = self.decode(q[group.rows], kv_cache, group, scale)
+        for i in meta.prefill_idx:
+            lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[lo:hi] = self.prefill(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, meta.block_tables[i],
+                                      meta.seq_lens[i], scale)
+        return out
+
+    def decode(self, q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
+        """q (Bd, Hq, D): one query per sequence of the group -> (Bd, Hq, D)."""
+        raise NotImplementedError
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
+                block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+        """q (n, Hq, D), this chunk's k/v (n, Hkv, D), already in the cache; the chunk's last query sits
+        at position seq_len - 1 -> (n, Hq, D)."""
+        raise NotImplementedError
+
+
 ATTENTION_BACKENDS = ("sdpa", "torch")
 
 

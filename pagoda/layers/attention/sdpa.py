@@ -13,33 +13,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.attention.backend import AttentionMetadata, DecodeGroup
+from pagoda.layers.attention.backend import DecodeGroup, PagedAttentionBackend
 from pagoda.layers.attention.paged_kv import PagedKVCache
 
 
-class SDPAAttentionBackend:
+class SDPAAttentionBackend(PagedAttentionBackend):
     name = "sdpa"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        kv_cache.write(meta.slot_mapping, k, v)
-        out = torch.empty_like(q)
-        for group in meta.decode_groups:
-            out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)
-        for i in meta.prefill_idx:
-            lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            if meta.seq_lens[i] == hi - lo and not kv_cache.spec.quantized:
-                out[lo:hi] = _attend(q[lo:hi], k[lo:hi], v[lo:hi], None, scale)  # whole context is this chunk
-                continue
-            keys, values = kv_cache.gather(meta.block_tables[i], q.dtype)  # (num_blocks_i, bs, Hkv, D)
-            seq_len, n = meta.seq_lens[i], hi - lo
-            q_pos = torch.arange(seq_len - n, seq_len).unsqueeze(1)  # (n, 1): each query's position
-            mask = torch.arange(seq_len).unsqueeze(0) <= q_pos  # (n, L)
-            out[lo:hi] = _attend(q[lo:hi], keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len], mask, scale)
-        return out
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
+                block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+        n = q.shape[0]
+        if seq_len == n and not kv_cache.spec.quantized:
+            return _attend(q, k, v, None, scale)  # the whole context is this chunk: causal, no gather
+        keys, values = kv_cache.gather(block_table, q.dtype)  # (num_blocks_i, bs, Hkv, D)
+        q_pos = torch.arange(seq_len - n, seq_len).unsqueeze(1)  # (n, 1): each query's position
+        mask = torch.arange(seq_len).unsqueeze(0) <= q_pos  # (n, L)
+        return _attend(q, keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len], mask, scale)
 
-    @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
         keys, values = kv_cache.gather(group.block_tables, q.dtype)  # (Bd, max_blocks, bs, Hkv, D)
         keys, values = keys.flatten(1, 2), values.flatten(1, 2)  # (Bd, L_max, Hkv, D)
         valid = torch.arange(keys.shape[1]).unsqueeze(0) < group.seq_lens.unsqueeze(1)  # (Bd, L_max)

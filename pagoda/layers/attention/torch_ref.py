@@ -8,26 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.layers.attention.backend import AttentionMetadata, DecodeGroup
+from pagoda.layers.attention.backend import DecodeGroup, PagedAttentionBackend
 from pagoda.layers.attention.paged_kv import PagedKVCache
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(PagedAttentionBackend):
     name = "torch"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        kv_cache.write(meta.slot_mapping, k, v)
-        out = torch.empty_like(q)
-        for group in meta.decode_groups:
-            out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)
-        for i in meta.prefill_idx:
-            lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[lo:hi] = self._prefill(q[lo:hi], kv_cache, meta.block_tables[i], meta.seq_lens[i], scale)
-        return out
-
-    def _prefill(self, q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
-                 scale: float) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
+                block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
         n, hq, d = q.shape
         keys, values = kv_cache.gather(block_table, q.dtype)  # (num_blocks_i, bs, Hkv, D)
         keys, values = keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len]  # (L, Hkv, D)
@@ -42,7 +31,7 @@ class TorchAttentionBackend:
         out = torch.einsum("kgnl,lkd->nkgd", probs, values)  # (n, Hkv, G, D)
         return out.reshape(n, hq, d)
 
-    def _decode(self, q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
         bd, hq, d = q.shape
         keys, values = kv_cache.gather(group.block_tables, q.dtype)  # (Bd, max_blocks, bs, Hkv, D)
         keys, values = keys.flatten(1, 2), values.flatten(1, 2)  # (Bd, L_max, Hkv, D)
