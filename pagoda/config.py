@@ -13,6 +13,8 @@ import torch
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
+ATTENTION_BACKENDS = ("sdpa", "torch")  # sdpa: torch's fused attention; torch: the plain reference
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -62,8 +64,9 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len, 1 << 20)
-        if self.attention_backend not in ("sdpa", "torch"):
-            raise ValueError(f"attention_backend must be sdpa or torch, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -57,14 +57,6 @@ class KVCacheManager:
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.block_size
-
     # ---- prefix lookup ------------------------------------------------------------------
     def _hashes(self, req: Request, num_full_blocks: int) -> list[bytes]:
         bs = self.block_size
@@ -128,10 +120,6 @@ class KVCacheManager:
         self.prefix_hits += num_hit_tokens
 
     # ---- allocation ---------------------------------------------------------------------
-    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        table = self.block_tables.get(request.request_id, [])
-        total = request.num_computed_tokens + num_new_tokens
-        return max(0, cdiv(total, self.block_size) - len(table))
 
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens of `request` (after `prefix`, the cache hits it
@@ -204,10 +192,6 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]
-
-    def num_blocks_in_use(self) -> int:
-        """Blocks held by at least one request."""
-        return self.pool.num_used_blocks
 
     def check_invariants(self) -> None:
         """free + held + cached-free == total; each block's ref count == tables holding it."""

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pagoda.config import DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, parse_size
+from pagoda.config import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, parse_size
 from pagoda.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ("model", "dtype", "block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
@@ -29,7 +29,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "torch"],
+    g.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS,
                    help="sdpa: torch's fused attention; torch: the plain reference implementation")
     g.add_argument("--kv-offload-memory", default=None,
                    help="second KV tier: host memory for cached blocks evicted from the cache, e.g. 2GiB")

@@ -35,9 +35,6 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]  # sequences with exactly one query (decodes), batched
     prefill_idx: list[int]  # sequences with more than one query
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
 
 
 def build_attention_metadata(seqs: list[tuple[list[int], int, int]], block_size: int) -> AttentionMetadata:
@@ -115,9 +112,6 @@ class PagedAttentionBackend:
         """q (n, Hq, D), this chunk's k/v (n, Hkv, D), already in the cache; the chunk's last query sits
         at position seq_len - 1 -> (n, Hq, D)."""
         raise NotImplementedError
-
-
-ATTENTION_BACKENDS = ("sdpa", "torch")
 
 
 def get_attention_backend(name: str = "sdpa") -> AttentionBackend:
