@@ -13,7 +13,8 @@ import torch
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
-ATTENTION_BACKENDS = ("sdpa", "torch")  # sdpa: torch's fused attention; torch: the plain reference
+# sdpa: torch's fused attention; compiled: paged decode kernel from torch.compile; torch: the plain reference
+ATTENTION_BACKENDS = ("sdpa", "compiled", "torch")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -57,7 +58,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto = float32 on CPU
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0  # seeds the generators of requests that give no seed
-    attention_backend: str = "sdpa"  # sdpa (fused, default) or torch (the reference)
+    attention_backend: str = "sdpa"  # one of ATTENTION_BACKENDS
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -18,6 +18,7 @@ import pagoda.layers.attention.backend as attention_backend
 import pagoda.layers.attention.paged_kv as paged_kv
 from pagoda import LLM, SamplingParams
 from pagoda.bench.common import parse_range
+from pagoda.config import ATTENTION_BACKENDS, DTYPES
 
 
 def _advanced_indexing(data: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -31,12 +32,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--gather", choices=["index_select", "advanced"], default="index_select")
     p.add_argument("--no-grouping", action="store_true", help="one padded decode batch per step")
+    p.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS)
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     args = p.parse_args()
     if args.gather == "advanced":
         paged_kv._take = _advanced_indexing
     if args.no_grouping:
         attention_backend.DECODE_GROUP_PADDING = float("inf")
-    engine = LLM().engine
+    engine = LLM(attention_backend=args.attention_backend, dtype=args.dtype).engine
     rng = random.Random(0)
     for i in range(args.num_seqs):
         prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(*args.input_len))]
@@ -49,7 +52,8 @@ def main() -> None:
         engine.step()
     ms = (time.perf_counter() - start) / args.steps * 1000
     print(json.dumps({"num_seqs": args.num_seqs, "input_len": args.input_len, "gather": args.gather,
-                      "grouping": not args.no_grouping, "decode_step_ms": round(ms, 1)}))
+                      "grouping": not args.no_grouping, "attention_backend": args.attention_backend,
+                      "dtype": args.dtype, "decode_step_ms": round(ms, 1)}))
 
 
 if __name__ == "__main__":

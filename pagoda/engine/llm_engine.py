@@ -46,7 +46,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model
-        loaded = load_model(mc.model, mc.torch_dtype, get_attention_backend(mc.attention_backend), mc.max_model_len)
+        backend = get_attention_backend(mc.attention_backend)
+        loaded = load_model(mc.model, mc.torch_dtype, backend, mc.max_model_len)
         self.model, self.arch, self.tokenizer = loaded.model, loaded.arch, loaded.tokenizer
         budget = config.cache.kv_cache_memory or default_kv_cache_memory()
         plan = plan_kv_cache(self.arch, mc.torch_dtype, config.cache.block_size, budget, config.cache.kv_cache_dtype,
@@ -54,6 +55,7 @@ class LLMEngine:
         max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         self.limits = EngineLimits(max_model_len, min(max_model_len, plan.num_tokens), plan)
         caches = allocate_kv_cache(self.arch, plan, mc.torch_dtype)
+        self.compile_seconds = backend.warmup(caches[0], self.arch.num_heads, mc.torch_dtype, self.arch.head_dim**-0.5)
         offload = self._make_offload_store(caches)
         identity = f"{loaded.identity}:{mc.torch_dtype}:{plan.spec.name}"  # whose K/V a cached block holds
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching, identity,

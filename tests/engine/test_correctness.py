@@ -53,18 +53,21 @@ def test_one_at_a_time(tiny_model: tuple[str, Path], reference: list) -> None:
     assert llm.get_metrics()["kv_blocks_in_use"] == 0
 
 
-def test_all_together_with_chunked_prefill(tiny_model: tuple[str, Path], reference: list) -> None:
-    llm = LLM(str(tiny_model[1]), dtype="float64", max_num_batched_tokens=48)
+@pytest.mark.parametrize("backend", ["sdpa", "compiled", "torch"])
+def test_all_together_with_chunked_prefill(tiny_model: tuple[str, Path], reference: list, backend: str) -> None:
+    llm = LLM(str(tiny_model[1]), dtype="float64", max_num_batched_tokens=48, attention_backend=backend)
     outputs = llm.generate(prompts(), greedy_params(), use_tqdm=False)
     check(outputs, reference)
     assert llm.get_metrics()["num_steps"] > sum(PROMPT_LENS) // 48  # prompts really were chunked
     assert llm.get_metrics()["kv_blocks_in_use"] == 0
 
 
-def test_all_together_with_preemption(tiny_model: tuple[str, Path], reference: list) -> None:
+@pytest.mark.parametrize("backend", ["sdpa", "compiled"])
+def test_all_together_with_preemption(tiny_model: tuple[str, Path], reference: list, backend: str) -> None:
     arch = ArchConfig.from_hf(json.loads((tiny_model[1] / "config.json").read_text()))
     budget = arch.kv_bytes_per_token(8) * 800  # 50 blocks of 16: the longest fits, not all at once
-    llm = LLM(str(tiny_model[1]), dtype="float64", kv_cache_memory=budget, max_num_batched_tokens=256)
+    llm = LLM(str(tiny_model[1]), dtype="float64", kv_cache_memory=budget, max_num_batched_tokens=256,
+              attention_backend=backend)
     outputs = llm.generate(prompts(), greedy_params(), use_tqdm=False)
     check(outputs, reference)
     metrics = llm.get_metrics()

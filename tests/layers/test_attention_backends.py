@@ -1,22 +1,27 @@
-"""The fused SDPA backend against the plain torch reference: same outputs on mixed steps (fresh
-prompts, prompt chunks continuing earlier ones, decodes), for plain and quantized caches."""
+"""The fused SDPA and the compiled paged backends against the plain torch reference: same outputs on
+mixed steps (fresh prompts, prompt chunks continuing earlier ones, decodes, one-block and one-sequence
+decode groups), for plain and quantized caches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pagoda.layers.attention.backend import PagedAttentionBackend
+from pagoda.layers.attention.compiled import CompiledAttentionBackend
 from pagoda.layers.attention.sdpa import SDPAAttentionBackend
 from pagoda.layers.kv_quant import KVCacheSpec
 from tests.layers.test_kv_quant import run_steps
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("storage", ["model", torch.int8])
-def test_sdpa_matches_reference(dtype: torch.dtype, tol: float, storage: object) -> None:
-    spec = KVCacheSpec(dtype) if storage == "model" else KVCacheSpec(storage, "token")  # type: ignore[arg-type]
+@pytest.mark.parametrize("backend", [SDPAAttentionBackend, CompiledAttentionBackend])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("storage", ["model", "int8 token", "int8 block"])
+def test_backend_matches_reference(backend: type[PagedAttentionBackend], dtype: torch.dtype, tol: float,
+                                   storage: str) -> None:
+    spec = KVCacheSpec(dtype) if storage == "model" else KVCacheSpec(torch.int8, storage.split()[1])
     ref = run_steps(spec, dtype)
-    got = run_steps(spec, dtype, backend=SDPAAttentionBackend())
+    got = run_steps(spec, dtype, backend=backend())
     for r, o in zip(ref, got, strict=True):
         assert o.shape == r.shape and o.dtype == r.dtype
         torch.testing.assert_close(o, r, atol=tol, rtol=tol)
@@ -35,3 +40,22 @@ def test_decode_groups_cover_every_decode_once_with_bounded_padding() -> None:
     for g in meta.decode_groups:
         real = sum(-(-int(n) // 16) for n in g.seq_lens)
         assert g.block_tables.numel() <= max(DECODE_GROUP_PADDING * real, g.block_tables.shape[1])
+
+
+@pytest.mark.parametrize(("num_seqs", "num_blocks"), [(1, 1), (1, 3), (3, 1), (2, 2)])
+def test_compiled_decode_on_size_one_groups(num_seqs: int, num_blocks: int) -> None:
+    """Groups of one sequence or one block are padded inside the backend; results must not change."""
+    from pagoda.layers.attention.backend import DecodeGroup
+    from pagoda.layers.attention.torch_ref import TorchAttentionBackend
+    from tests.layers.test_kv_quant import make_cache
+
+    g = torch.Generator().manual_seed(num_seqs * 10 + num_blocks)
+    cache = make_cache(KVCacheSpec(torch.float64), num_blocks=12, block_size=4, hkv=2, d=64)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g, dtype=torch.float64))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g, dtype=torch.float64))
+    tables = torch.randperm(12, generator=g)[: num_seqs * num_blocks].view(num_seqs, num_blocks)
+    lens = torch.randint(4 * num_blocks - 3, 4 * num_blocks + 1, (num_seqs,), generator=g)
+    group = DecodeGroup(rows=torch.arange(num_seqs), block_tables=tables, seq_lens=lens)
+    q = torch.randn(num_seqs, 8, 64, generator=g, dtype=torch.float64)
+    got = CompiledAttentionBackend().decode(q, cache, group, 0.125)
+    torch.testing.assert_close(got, TorchAttentionBackend().decode(q, cache, group, 0.125), atol=1e-12, rtol=1e-12)

@@ -84,6 +84,10 @@ class AttentionBackend(Protocol):
         """q: (T, Hq, D); k, v: (T, Hkv, D), written to kv_cache at meta.slot_mapping -> (T, Hq, D)."""
         ...
 
+    def warmup(self, kv_cache: PagedKVCache, num_q_heads: int, dtype: torch.dtype, scale: float) -> float:
+        """One-off start-up work for this cache layout (compilation); returns its seconds."""
+        ...
+
 
 class PagedAttentionBackend:
     """The step loop every backend shares: write this step's K/V, then attend decode groups batched
@@ -103,6 +107,9 @@ class PagedAttentionBackend:
                                       meta.seq_lens[i], scale)
         return out
 
+    def warmup(self, kv_cache: PagedKVCache, num_q_heads: int, dtype: torch.dtype, scale: float) -> float:
+        return 0.0
+
     def decode(self, q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
         """q (Bd, Hq, D): one query per sequence of the group -> (Bd, Hq, D)."""
         raise NotImplementedError
@@ -115,11 +122,14 @@ class PagedAttentionBackend:
 
 
 def get_attention_backend(name: str = "sdpa") -> AttentionBackend:
-    """sdpa: torch's fused attention (the default); torch: the plain reference the others are tested against."""
+    """sdpa: torch's fused attention; compiled: decodes read the paged cache in place (torch.compile),
+    prompts as sdpa; torch: the plain reference the others are tested against."""
+    from pagoda.layers.attention.compiled import CompiledAttentionBackend
     from pagoda.layers.attention.sdpa import SDPAAttentionBackend
     from pagoda.layers.attention.torch_ref import TorchAttentionBackend
 
-    backends: dict[str, type] = {"sdpa": SDPAAttentionBackend, "torch": TorchAttentionBackend}
+    backends: dict[str, type] = {"sdpa": SDPAAttentionBackend, "torch": TorchAttentionBackend,
+                                 "compiled": CompiledAttentionBackend}
     if name not in backends:
         raise ValueError(f"attention backend must be one of {sorted(backends)}, got {name!r}")
     return backends[name]()  # type: ignore[no-any-return]
