@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +14,31 @@ from pagoda.bench.datasets import DATASETS, WorkloadSpec
 
 if TYPE_CHECKING:
     from pagoda.tokenizer import Tokenizer
+
+
+def machine_info() -> dict[str, object]:
+    """What a benchmark figure depends on besides the code: CPU, its vector features, threads, torch.
+    Recorded with every result because these shared machines differ from one session to the next."""
+    import platform
+
+    import torch
+
+    flags: set[str] = set()
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    return {"cpu": model, "cpu_count": os.cpu_count(), "cpu_flags": [f for f in wanted if f in flags],
+            "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch_threads": torch.get_num_threads()}
 
 
 def parse_range(value: str) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """Time one decode step of many running requests (the default model), with switches for the two
 attention changes measured in BENCHMARKS.md: how the paged cache is gathered and whether decodes
-are grouped by context length.
+are grouped by context length; and the attention backend and dtype.
 
     python -m pagoda.bench.decode_step --num-seqs 64 --input-len 128:512 --gather index_select
 """
@@ -8,6 +8,7 @@ are grouped by context length.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
@@ -34,6 +35,8 @@ def main() -> None:
     p.add_argument("--no-grouping", action="store_true", help="one padded decode batch per step")
     p.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS)
     p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--torch-profile", action="store_true",
+                   help="also print torch.profiler's table of the timed steps' ops (self CPU time)")
     args = p.parse_args()
     if args.gather == "advanced":
         paged_kv._take = _advanced_indexing
@@ -47,10 +50,13 @@ def main() -> None:
     sched = engine.scheduler
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         engine.step()  # prefill everything first
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    ms = (time.perf_counter() - start) / args.steps * 1000
+    with torch.profiler.profile() if args.torch_profile else contextlib.nullcontext() as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        ms = (time.perf_counter() - start) / args.steps * 1000
+    if prof is not None:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     print(json.dumps({"num_seqs": args.num_seqs, "input_len": args.input_len, "gather": args.gather,
                       "grouping": not args.no_grouping, "attention_backend": args.attention_backend,
                       "dtype": args.dtype, "decode_step_ms": round(ms, 1)}))

@@ -18,7 +18,7 @@ import json
 import time
 from typing import Any
 
-from pagoda.bench.common import add_workload_flags, percentiles, workload_spec
+from pagoda.bench.common import add_workload_flags, machine_info, percentiles, workload_spec
 from pagoda.bench.datasets import make_workload
 from pagoda.sampling_params import SamplingParams
 
@@ -28,7 +28,7 @@ BACKENDS = ("pagoda", "hf", "llamacpp")
 def summarize(backend: str, args: argparse.Namespace, model: str, num_requests: int, prompt_tokens: int,
               output_tokens: int, elapsed: float, ttft: list[float]) -> dict[str, Any]:
     """The fields every backend reports, computed the same way for all of them."""
-    return {
+    result: dict[str, Any] = {
         "backend": backend, "model": model, "dataset": args.dataset,
         "num_requests": num_requests, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "elapsed_s": elapsed,
@@ -36,7 +36,13 @@ def summarize(backend: str, args: argparse.Namespace, model: str, num_requests: 
         "output_tokens_per_second": output_tokens / elapsed,
         "total_tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
         "ttft_s": percentiles(ttft),
+        "machine": machine_info(),
     }
+    if num_requests == 1 and ttft:  # one stream: prompt processing, then decode
+        result["prompt_tokens_per_second"] = prompt_tokens / ttft[0]
+        if output_tokens > 1:
+            result["decode_tokens_per_second"] = (output_tokens - 1) / (elapsed - ttft[0])
+    return result
 
 
 def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[str, Any]:
@@ -66,10 +72,39 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
         "prompt_tokens_computed": metrics["num_prompt_tokens_computed"],
         "prefix_cache_hit_tokens": metrics["prefix_cache_hits"],
         "num_preemptions": metrics["num_preemptions"],
+        "attention_backend": llm.engine.attention_backend,
+        "startup_compile_s": llm.engine.compile_seconds,
     })
+    result.update(compute_floor(llm.engine.model, prompt_tokens, output_tokens, elapsed))
     if profiler is not None:
         result["profile"] = profiler.report()
     return result
+
+
+def compute_floor(model: Any, prompt_tokens: int, output_tokens: int, elapsed: float) -> dict[str, float]:
+    """The run's matmul FLOPs against the matmul rate this machine reaches now, in the model's dtype.
+
+    FLOPs: 2 x (parameters of the decoder's linear layers) per token, prompt or output, plus
+    2 x hidden x vocab for each output token's logits (a prompt's last token gives the first output
+    token). Attention's own FLOPs are left out, so the fraction is a lower bound of the work done.
+    The rate: the best of 40 timed (1024 x hidden) @ (hidden x intermediate) matmuls, the largest
+    linear layer of the model, measured right after the run in the same process."""
+    import torch
+
+    lm_head = model.lm_head.weight
+    linear = sum(m.weight.numel() for m in model.model.modules() if isinstance(m, torch.nn.Linear))
+    flops = 2.0 * linear * (prompt_tokens + output_tokens) + 2.0 * lm_head.numel() * output_tokens
+    w = model.model.layers[0].mlp.up_proj.weight  # (intermediate, hidden)
+    x = torch.randn(1024, w.shape[1], dtype=w.dtype)
+    best = float("inf")
+    for _ in range(40):  # best of many: the peak, not a mean the noisy neighbours drag down
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        best = min(best, time.perf_counter() - start)
+    rate = 2.0 * x.shape[0] * w.numel() / best
+    achieved = flops / elapsed
+    return {"matmul_gflop": flops / 1e9, "achieved_gflops": achieved / 1e9, "matmul_peak_gflops": rate / 1e9,
+            "compute_floor_fraction": achieved / rate}
 
 
 def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[str, Any]:
@@ -120,5 +155,8 @@ def report(result: dict[str, Any], as_json: bool) -> None:
     if "prompt_tokens_computed" in result:
         print(f"  prompt tokens computed {result['prompt_tokens_computed']}, prefix-cache hits "
               f"{result['prefix_cache_hit_tokens']} tokens, preemptions {result['num_preemptions']}")
+    if "compute_floor_fraction" in result:
+        print(f"  matmul work {result['achieved_gflops']:.1f} GFLOP/s = {100 * result['compute_floor_fraction']:.0f}% "
+              f"of the {result['matmul_peak_gflops']:.1f} GFLOP/s a plain matmul reaches here")
     for name, v in result.get("profile", {}).items():
         print(f"  {name:<28} {v['ms_per_step']:9.2f} ms/step {100 * v['share']:6.1f}%")

@@ -46,7 +46,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model
-        backend = get_attention_backend(mc.attention_backend)
+        backend = get_attention_backend(mc.attention_backend, mc.torch_dtype)
         loaded = load_model(mc.model, mc.torch_dtype, backend, mc.max_model_len)
         self.model, self.arch, self.tokenizer = loaded.model, loaded.arch, loaded.tokenizer
         budget = config.cache.kv_cache_memory or default_kv_cache_memory()
@@ -56,6 +56,7 @@ class LLMEngine:
         self.limits = EngineLimits(max_model_len, min(max_model_len, plan.num_tokens), plan)
         caches = allocate_kv_cache(self.arch, plan, mc.torch_dtype)
         self.compile_seconds = backend.warmup(caches[0], self.arch.num_heads, mc.torch_dtype, self.arch.head_dim**-0.5)
+        self.attention_backend = "sdpa" if getattr(backend, "fallback", False) else backend.name
         offload = self._make_offload_store(caches)
         identity = f"{loaded.identity}:{mc.torch_dtype}:{plan.spec.name}"  # whose K/V a cached block holds
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching, identity,
@@ -83,8 +84,9 @@ class LLMEngine:
 
     def _log_startup(self, name: str) -> None:
         p, lim = self.limits.kv, self.limits
-        logger.info("model %s (%s, %d layers, %d kv heads x %d), dtype %s", name, self.arch.model_type,
-                    self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim, self.config.model.torch_dtype)
+        logger.info("model %s (%s, %d layers, %d kv heads x %d), dtype %s, attention %s", name, self.arch.model_type,
+                    self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim, self.config.model.torch_dtype,
+                    self.attention_backend)
         logger.info("KV cache (%s): %.1f MiB budget, %g bytes/token, %d blocks of %d tokens = %d tokens; "
                     "max concurrency at max_model_len %d: %.2f", p.spec.name, p.budget_bytes / 2**20, p.bytes_per_token,
                     p.num_blocks, p.block_size, p.num_tokens, lim.max_model_len, p.max_concurrency(lim.max_model_len))

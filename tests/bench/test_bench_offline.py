@@ -43,6 +43,28 @@ def test_hf_and_pagoda_backends_run_the_same_workload(model_dir: Path, capsys: p
     assert hf["backend"] == "hf" and hf["hf_batch_size"] == 2 and pagoda["backend"] == "pagoda"
     assert hf["prompt_tokens"] == pagoda["prompt_tokens"]  # the same prompts, token for token
     assert 12 <= hf["prompt_tokens"] <= 27
+    assert pagoda["machine"]["torch"] == torch.__version__ and pagoda["machine"]["cpu_count"] >= 1
+
+
+def test_compute_floor_counts_the_linear_flops(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pagoda.model.llama import ArchConfig
+
+    result = run_json(capsys, "bench", "throughput", "--model", str(model_dir), *WORKLOAD, "--json", *ENGINE)
+    a = ArchConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    attention = a.hidden_size * (2 * a.num_heads + 2 * a.num_kv_heads) * a.head_dim  # q, k, v, o
+    per_token = (attention + 3 * a.hidden_size * a.intermediate_size) * a.num_layers
+    expected = 2 * per_token * (result["prompt_tokens"] + 9) + 2 * a.hidden_size * a.vocab_size * 9
+    assert result["matmul_gflop"] * 1e9 == pytest.approx(expected)
+    assert result["achieved_gflops"] == pytest.approx(result["matmul_gflop"] / result["elapsed_s"])
+    assert result["compute_floor_fraction"] == pytest.approx(result["achieved_gflops"] / result["matmul_peak_gflops"])
+
+
+def test_one_stream_reports_prompt_and_decode_rates(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(capsys, "bench", "throughput", "--model", str(model_dir), "--num-prompts", "1",
+                      "--input-len", "20:20", "--output-len", "5", "--json", *ENGINE)
+    ttft = result["ttft_s"]["mean"]
+    assert result["prompt_tokens_per_second"] == pytest.approx(20 / ttft)
+    assert result["decode_tokens_per_second"] == pytest.approx(4 / (result["elapsed_s"] - ttft))
 
 
 def test_hf_static_batch_generates_exactly_output_len(model_dir: Path) -> None:

@@ -59,3 +59,53 @@ def test_compiled_decode_on_size_one_groups(num_seqs: int, num_blocks: int) -> N
     q = torch.randn(num_seqs, 8, 64, generator=g, dtype=torch.float64)
     got = CompiledAttentionBackend().decode(q, cache, group, 0.125)
     torch.testing.assert_close(got, TorchAttentionBackend().decode(q, cache, group, 0.125), atol=1e-12, rtol=1e-12)
+
+
+def test_compiled_backend_compiles_once_at_start_up(tmp_path: object) -> None:
+    """After the engine's warm-up, serving batches of any size and context length compiles nothing more
+    (a guard failure, e.g. on grad mode or a size-1 dimension, would recompile in the middle of serving)."""
+    from pathlib import Path
+
+    from torch._dynamo.utils import counters
+
+    from pagoda import LLM, SamplingParams
+    from tests.conftest import make_tiny_model
+
+    folder = make_tiny_model(Path(str(tmp_path)), "llama")
+    llm = LLM(str(folder), attention_backend="compiled", max_num_batched_tokens=64)
+    assert llm.engine.compile_seconds > 0
+    before = counters["stats"]["unique_graphs"]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)  # one sequence, one block
+    llm.generate([[i % 200 + 1 for i in range(n)] for n in (2, 40, 90, 150)], params, use_tqdm=False)
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def test_auto_backend_is_chosen_by_dtype() -> None:
+    from pagoda.layers.attention.backend import get_attention_backend, resolve_attention_backend
+
+    assert resolve_attention_backend("auto", torch.float32) == "compiled"
+    assert resolve_attention_backend("auto", torch.float64) == "compiled"
+    assert resolve_attention_backend("auto", torch.bfloat16) == "sdpa"
+    assert resolve_attention_backend("torch", torch.float32) == "torch"
+    auto = get_attention_backend("auto", torch.float32)
+    assert isinstance(auto, CompiledAttentionBackend) and not auto.strict  # falls back to sdpa if it cannot compile
+    assert get_attention_backend("compiled").strict  # asked for by name: failing to compile is an error
+    with pytest.raises(ValueError, match="attention backend must be one of"):
+        get_attention_backend("flash")
+
+
+def test_auto_falls_back_to_sdpa_when_compilation_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pagoda.layers.attention.compiled as compiled
+    from tests.layers.test_kv_quant import make_cache
+
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(compiled, "_compiled", broken)
+    cache = make_cache(KVCacheSpec(torch.float32), num_blocks=4, block_size=4, hkv=2, d=8)
+    auto = CompiledAttentionBackend(strict=False)
+    auto.warmup(cache, 4, torch.float32, 0.5)
+    assert auto.fallback
+    with pytest.raises(RuntimeError, match="could not compile"):
+        CompiledAttentionBackend(strict=True).warmup(cache, 4, torch.float32, 0.5)

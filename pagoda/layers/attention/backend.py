@@ -121,15 +121,28 @@ class PagedAttentionBackend:
         raise NotImplementedError
 
 
-def get_attention_backend(name: str = "sdpa") -> AttentionBackend:
-    """sdpa: torch's fused attention; compiled: decodes read the paged cache in place (torch.compile),
-    prompts as sdpa; torch: the plain reference the others are tested against."""
+def resolve_attention_backend(name: str, model_dtype: torch.dtype) -> str:
+    """'auto' -> the backend measured fastest for this dtype (BENCHMARKS.md): the compiled paged decode
+    kernel for float32/float64 models, where SDPA's gather-then-attend path is slowest; sdpa for 16-bit
+    models, where torch's bfloat16 flash kernel beat the compiled kernel. Other names pass through."""
+    if name != "auto":
+        return name
+    return "compiled" if model_dtype in (torch.float32, torch.float64) else "sdpa"
+
+
+def get_attention_backend(name: str = "sdpa", model_dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """auto: chosen by dtype (resolve_attention_backend); sdpa: torch's fused attention; compiled: decodes
+    read the paged cache in place (torch.compile), prompts as sdpa; torch: the plain reference the others
+    are tested against."""
     from pagoda.layers.attention.compiled import CompiledAttentionBackend
     from pagoda.layers.attention.sdpa import SDPAAttentionBackend
     from pagoda.layers.attention.torch_ref import TorchAttentionBackend
 
-    backends: dict[str, type] = {"sdpa": SDPAAttentionBackend, "torch": TorchAttentionBackend,
-                                 "compiled": CompiledAttentionBackend}
-    if name not in backends:
-        raise ValueError(f"attention backend must be one of {sorted(backends)}, got {name!r}")
-    return backends[name]()  # type: ignore[no-any-return]
+    resolved = resolve_attention_backend(name, model_dtype)
+    if resolved == "compiled":
+        return CompiledAttentionBackend(strict=name == "compiled")
+    backends: dict[str, type] = {"sdpa": SDPAAttentionBackend, "torch": TorchAttentionBackend}
+    if resolved not in backends:
+        raise ValueError(f"attention backend must be one of auto, compiled, {', '.join(sorted(backends))}; "
+                         f"got {name!r}")
+    return backends[resolved]()  # type: ignore[no-any-return]

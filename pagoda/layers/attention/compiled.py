@@ -79,7 +79,15 @@ _compiled = torch.compile(paged_decode_attention, fullgraph=True, dynamic=False,
 class CompiledAttentionBackend(SDPAAttentionBackend):
     name = "compiled"
 
+    def __init__(self, strict: bool = True) -> None:
+        # strict (asked for by name): a failed compilation is an error. Not strict (chosen by "auto"):
+        # it is logged and decodes fall back to SDPA's gather-then-attend path.
+        self.strict = strict
+        self.fallback = False
+
     def decode(self, q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
+        if self.fallback:
+            return super().decode(q, kv_cache, group, scale)
         bt, lens, bd = group.block_tables, group.seq_lens, q.shape[0]
         if bd == 1:  # a masked-out duplicate keeps the batch size dynamic (no size-1 specialization)
             q, bt, lens = q.expand(2, -1, -1), bt.expand(2, -1), lens.expand(2)
@@ -92,13 +100,20 @@ class CompiledAttentionBackend(SDPAAttentionBackend):
                 torch._dynamo.maybe_mark_dynamic(t, dim)
         return _compiled(*args)[:bd]
 
+    @torch.inference_mode()  # as the model runner calls it: grad mode is part of the compiled graph's guards
     def warmup(self, kv_cache: PagedKVCache, num_q_heads: int, dtype: torch.dtype, scale: float) -> float:
         """Compile for this cache's layout (and softmax scale, a constant in the graph) before serving."""
         start = time.perf_counter()
         group = DecodeGroup(rows=torch.arange(2), block_tables=torch.zeros((2, 2), dtype=torch.long),
                             seq_lens=torch.tensor([1, 2]))
         q = torch.zeros((2, num_q_heads, kv_cache.k.shape[-1]), dtype=dtype)
-        self.decode(q, kv_cache, group, scale)
+        try:
+            self.decode(q, kv_cache, group, scale)
+        except Exception as e:  # no C++ compiler, an inductor bug, ...
+            if self.strict:
+                raise RuntimeError(f"attention_backend 'compiled' could not compile its kernel: {e}") from e
+            logger.warning("could not compile the paged decode kernel (%s); decodes use sdpa", e)
+            self.fallback = True
         seconds = time.perf_counter() - start
         logger.info("compiled paged decode attention in %.1f s", seconds)
         return seconds
