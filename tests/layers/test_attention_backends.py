@@ -18,7 +18,8 @@ from tests.layers.test_kv_quant import run_steps
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("storage", ["model", "int8 token", "int8 block"])
 def test_backend_matches_reference(backend: type[PagedAttentionBackend], dtype: torch.dtype, tol: float,
-                                   storage: str) -> None:
+                                   storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pagoda.layers.attention.compiled.MIN_COMPILED_TOKENS", 0)  # these groups are small
     spec = KVCacheSpec(dtype) if storage == "model" else KVCacheSpec(torch.int8, storage.split()[1])
     ref = run_steps(spec, dtype)
     got = run_steps(spec, dtype, backend=backend())
@@ -44,7 +45,7 @@ def test_decode_groups_cover_every_decode_once_with_bounded_padding() -> None:
 
 @pytest.mark.parametrize(("num_seqs", "num_blocks"), [(1, 1), (1, 3), (3, 1), (2, 2)])
 def test_compiled_decode_on_size_one_groups(num_seqs: int, num_blocks: int) -> None:
-    """Groups of one sequence or one block are padded inside the backend; results must not change."""
+    """Groups of one sequence or one block are padded inside the kernel call; results must not change."""
     from pagoda.layers.attention.backend import DecodeGroup
     from pagoda.layers.attention.torch_ref import TorchAttentionBackend
     from tests.layers.test_kv_quant import make_cache
@@ -57,11 +58,11 @@ def test_compiled_decode_on_size_one_groups(num_seqs: int, num_blocks: int) -> N
     lens = torch.randint(4 * num_blocks - 3, 4 * num_blocks + 1, (num_seqs,), generator=g)
     group = DecodeGroup(rows=torch.arange(num_seqs), block_tables=tables, seq_lens=lens)
     q = torch.randn(num_seqs, 8, 64, generator=g, dtype=torch.float64)
-    got = CompiledAttentionBackend().decode(q, cache, group, 0.125)
+    got = CompiledAttentionBackend().kernel_decode(q, cache, group, 0.125)
     torch.testing.assert_close(got, TorchAttentionBackend().decode(q, cache, group, 0.125), atol=1e-12, rtol=1e-12)
 
 
-def test_compiled_backend_compiles_once_at_start_up(tmp_path: object) -> None:
+def test_compiled_backend_compiles_once_at_start_up(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """After the engine's warm-up, serving batches of any size and context length compiles nothing more
     (a guard failure, e.g. on grad mode or a size-1 dimension, would recompile in the middle of serving)."""
     from pathlib import Path
@@ -71,6 +72,7 @@ def test_compiled_backend_compiles_once_at_start_up(tmp_path: object) -> None:
     from pagoda import LLM, SamplingParams
     from tests.conftest import make_tiny_model
 
+    monkeypatch.setattr("pagoda.layers.attention.compiled.MIN_COMPILED_TOKENS", 0)  # every group uses the kernel
     folder = make_tiny_model(Path(str(tmp_path)), "llama")
     llm = LLM(str(folder), attention_backend="compiled", max_num_batched_tokens=64)
     assert llm.engine.compile_seconds > 0
@@ -109,3 +111,21 @@ def test_auto_falls_back_to_sdpa_when_compilation_fails(monkeypatch: pytest.Monk
     assert auto.fallback
     with pytest.raises(RuntimeError, match="could not compile"):
         CompiledAttentionBackend(strict=True).warmup(cache, 4, torch.float32, 0.5)
+
+
+def test_small_decode_groups_go_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below MIN_COMPILED_TOKENS the compiled backend answers with SDPA's path; above, with its kernel."""
+    import pagoda.layers.attention.compiled as compiled
+    from pagoda.layers.attention.backend import DecodeGroup
+    from tests.layers.test_kv_quant import make_cache
+
+    calls: list[str] = []
+    monkeypatch.setattr(compiled, "_compiled", lambda q, *a: calls.append("kernel") or torch.zeros_like(q))
+    monkeypatch.setattr(SDPAAttentionBackend, "decode", lambda self, q, *a: calls.append("sdpa") or torch.zeros_like(q))
+    cache = make_cache(KVCacheSpec(torch.float32), num_blocks=200, block_size=16, hkv=2, d=8)
+    backend = CompiledAttentionBackend()
+    for seqs, blocks in ((1, 2), (4, 31), (4, 32), (16, 24)):
+        group = DecodeGroup(rows=torch.arange(seqs), block_tables=torch.zeros((seqs, blocks), dtype=torch.long),
+                            seq_lens=torch.full((seqs,), 16 * blocks))
+        backend.decode(torch.zeros(seqs, 4, 8), cache, group, 1.0)
+    assert calls == ["sdpa", "sdpa", "kernel", "kernel"]
