@@ -86,20 +86,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
 
-    def fuse_qkv(self) -> None:
-        """After loading: one matmul with the q, k and v weights stacked instead of three (one call and one
-        larger GEMM per layer; the outputs are the same columns). The per-projection modules go away."""
-        self.qkv_proj = _stack([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
-
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
@@ -114,25 +106,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def fuse_gate_up(self) -> None:
-        """After loading: gate and up projections as one matmul (see Attention.fuse_qkv)."""
-        self.gate_up_proj = _stack([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-def _stack(linears: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose output is the given layers' outputs side by side (weights stacked by rows)."""
-    first = linears[0]
-    out = sum(m.out_features for m in linears)
-    fused = nn.Linear(first.in_features, out, bias=first.bias is not None, dtype=first.weight.dtype)
-    fused.weight.data = torch.cat([m.weight.data for m in linears])
-    if first.bias is not None:
-        fused.bias.data = torch.cat([m.bias.data for m in linears if m.bias is not None])
-    return fused.requires_grad_(False)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -181,11 +156,3 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def fuse_projections(self) -> None:
-        """Called once the checkpoint's weights are in (they load under their own names): q/k/v and
-        gate/up become one matmul each, 4 GEMMs per layer instead of 7."""
-        for layer in self.model.layers:
-            assert isinstance(layer, DecoderLayer)
-            layer.self_attn.fuse_qkv()
-            layer.mlp.fuse_gate_up()

@@ -100,7 +100,6 @@ def load_model(name: str, dtype: torch.dtype, backend: AttentionBackend, max_pos
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary = RotaryEmbedding(arch.head_dim, positions, arch.rope_theta, arch.rope_scaling, dtype)
     _load_weights(model, tensors)
-    model.fuse_projections()
     model.eval().requires_grad_(False)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path,
                        identity=f"{path.resolve()}:{arch.model_type}")
