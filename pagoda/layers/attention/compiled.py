@@ -10,7 +10,7 @@ Prompt chunks are compute-bound matmuls and stay on SDPA (inherited).
 
 Compilation: one graph, with the group size, the block-table width and the number of cache blocks
 dynamic, and the head shapes static (better vector code). Groups of one sequence or one block are
-padded to two (a masked duplicate row, a masked block) so that torch never specializes on size 1
+padded to two (a duplicate row whose output is dropped, a masked block) so that torch never specializes on size 1
 and compiles again. `warmup` compiles before the first request; inductor's on-disk cache makes later
 processes' compiles much faster. Measured in BENCHMARKS.md.
 """
@@ -100,7 +100,7 @@ class CompiledAttentionBackend(SDPAAttentionBackend):
     def kernel_decode(self, q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup,
                       scale: float) -> torch.Tensor:
         bt, lens, bd = group.block_tables, group.seq_lens, q.shape[0]
-        if bd == 1:  # a masked-out duplicate keeps the batch size dynamic (no size-1 specialization)
+        if bd == 1:  # a duplicate row (output dropped) keeps the batch size dynamic: no size-1 specialization
             q, bt, lens = q.expand(2, -1, -1), bt.expand(2, -1), lens.expand(2)
         if bt.shape[1] == 1:  # likewise the block-table width: a second, masked block
             bt = torch.cat([bt, torch.zeros_like(bt)], dim=1)
@@ -126,5 +126,6 @@ class CompiledAttentionBackend(SDPAAttentionBackend):
             logger.warning("could not compile the paged decode kernel (%s); decodes use sdpa", e)
             self.fallback = True
         seconds = time.perf_counter() - start
-        logger.info("compiled paged decode attention in %.1f s", seconds)
+        if not self.fallback:
+            logger.info("compiled paged decode attention in %.1f s", seconds)
         return seconds
