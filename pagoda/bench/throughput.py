@@ -86,7 +86,7 @@ def compute_floor(model: Any, prompt_tokens: int, output_tokens: int, elapsed: f
 
     FLOPs: 2 x (parameters of the decoder's linear layers) per token, prompt or output, plus
     2 x hidden x vocab for each output token's logits (a prompt's last token gives the first output
-    token). Attention's own FLOPs are left out, so the fraction is a lower bound of the work done.
+    token). Attention's own FLOPs are left out, so the fraction understates the arithmetic done.
     The rate: the best of 40 timed (1024 x hidden) @ (hidden x intermediate) matmuls, the largest
     linear layer of the model, measured right after the run in the same process."""
     import torch
