@@ -45,8 +45,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     """q (n, Hq, D), k/v (L, Hkv, D), mask (n, L) or None for causal with L == n -> (n, Hq, D).
 
     Inputs get a batch dimension of 1: given 3-D tensors, torch 2.13 on CPU silently takes its unfused
-    math path instead of the flash kernel, 4.3x (float32) to 8.4x (bfloat16) slower on a 512-token
-    prompt (BENCHMARKS.md)."""
+    math path instead of the flash kernel, 4.4x (float32) to 10x (bfloat16) slower on a 512-token
+    prompt (`python -m pagoda.bench.prompt_attention`, BENCHMARKS.md)."""
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)

@@ -1,0 +1,37 @@
+"""The attention microbenchmarks run and report what they measured (never how fast it was)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+
+def run_module(main: object, argv: list[str], capsys: pytest.CaptureFixture[str],
+               monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    monkeypatch.setattr(sys, "argv", ["prog", *argv])
+    main()  # type: ignore[operator]
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+def test_prompt_attention_names_the_kernel_each_layout_took(capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda.bench.prompt_attention import main
+
+    rows = run_module(main, ["--tokens", "32", "--iters", "1"], capsys, monkeypatch)
+    assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
+    for r in rows:
+        assert r["ms_3d"] > 0 and r["ms_4d"] > 0 and r["speedup"] == pytest.approx(r["ms_3d"] / r["ms_4d"], rel=0.01)
+        assert r["kernel_4d"] == "aten::_scaled_dot_product_flash_attention_for_cpu"  # why pagoda batches its calls
+    assert rows[0]["max_abs_diff"] < 1e-5
+
+
+def test_decode_attention_times_each_backend(capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda.bench.decode_attention import main
+
+    rows = run_module(main, ["--num-seqs", "3", "--context", "20:40", "--iters", "1"], capsys, monkeypatch)
+    assert [r["backend"] for r in rows] == ["sdpa", "compiled"]
+    assert all(r["ms_per_call"] > 0 and r["read_gb_per_s"] > 0 for r in rows)
+    assert rows[0]["compile_s"] == 0 and rows[1]["compile_s"] > 0
