@@ -56,7 +56,7 @@ class LLMEngine:
         self.limits = EngineLimits(max_model_len, min(max_model_len, plan.num_tokens), plan)
         caches = allocate_kv_cache(self.arch, plan, mc.torch_dtype)
         self.compile_seconds = backend.warmup(caches[0], self.arch.num_heads, mc.torch_dtype, self.arch.head_dim**-0.5)
-        self.attention_backend = "sdpa" if getattr(backend, "fallback", False) else backend.name
+        self.attention_backend = backend.name  # after warm-up: the backend actually in use
         offload = self._make_offload_store(caches)
         identity = f"{loaded.identity}:{mc.torch_dtype}:{plan.spec.name}"  # whose K/V a cached block holds
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching, identity,

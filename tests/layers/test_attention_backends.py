@@ -108,7 +108,7 @@ def test_auto_falls_back_to_sdpa_when_compilation_fails(monkeypatch: pytest.Monk
     cache = make_cache(KVCacheSpec(torch.float32), num_blocks=4, block_size=4, hkv=2, d=8)
     auto = CompiledAttentionBackend(strict=False)
     auto.warmup(cache, 4, torch.float32, 0.5)
-    assert auto.fallback
+    assert auto.fallback and auto.name == "sdpa"
     with pytest.raises(RuntimeError, match="could not compile"):
         CompiledAttentionBackend(strict=True).warmup(cache, 4, torch.float32, 0.5)
 

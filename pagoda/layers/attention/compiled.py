@@ -78,8 +78,10 @@ _compiled = torch.compile(paged_decode_attention, fullgraph=True, dynamic=False,
 
 # Below this many (padded) context tokens in a decode group, SDPA's gather-then-attend is faster: the
 # compiled call costs ~0.1 ms however small the group (dynamo's guard check, an OpenMP region). Measured
-# with `python -m pagoda.bench.decode_attention` (float32): 4 sequences of ~340 tokens, sdpa 0.23 ms vs
-# 0.31 ms; 16 of them, 1.38 ms vs 0.78 ms. One stream's decode step: 35.9 ms with sdpa, 44-51 compiled.
+# with `python -m pagoda.bench.decode_attention` (float32): 16 sequences of ~340 tokens, sdpa 1.38 ms vs
+# 0.78 ms; 4 of them, 0.23 vs 0.31 ms in one run and 0.36 vs 0.27 in another (noise at that size). The
+# threshold rests on one stream's decode step (`bench.decode_step --num-seqs 1`): 35.9 ms with sdpa,
+# 44-51 ms with every group compiled.
 MIN_COMPILED_TOKENS = 2048
 
 
@@ -125,6 +127,7 @@ class CompiledAttentionBackend(SDPAAttentionBackend):
                 raise RuntimeError(f"attention_backend 'compiled' could not compile its kernel: {e}") from e
             logger.warning("could not compile the paged decode kernel (%s); decodes use sdpa", e)
             self.fallback = True
+            self.name = "sdpa"  # what the engine reports as in use
         seconds = time.perf_counter() - start
         if not self.fallback:
             logger.info("compiled paged decode attention in %.1f s", seconds)
