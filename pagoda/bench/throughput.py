@@ -74,6 +74,7 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
         "num_preemptions": metrics["num_preemptions"],
         "attention_backend": llm.engine.attention_backend,
         "startup_compile_s": llm.engine.compile_seconds,
+        "keeps_freed_memory": llm.engine.keeps_freed_memory,
     })
     result.update(compute_floor(llm.engine.model, prompt_tokens, output_tokens, elapsed))
     if profiler is not None:

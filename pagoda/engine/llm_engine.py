@@ -18,6 +18,7 @@ from pagoda.outputs import RequestOutput
 from pagoda.profiler import NULL_PROFILER, StepProfiler
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
+from pagoda.worker.host_memory import keep_freed_memory
 from pagoda.worker.kv_cache import KVCachePlan, allocate_kv_cache, default_kv_cache_memory, plan_kv_cache
 from pagoda.worker.model_runner import ModelRunner
 from pagoda.worker.offload import OffloadStore
@@ -46,6 +47,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model
+        self.keeps_freed_memory = keep_freed_memory()
         backend = get_attention_backend(mc.attention_backend, mc.torch_dtype)
         loaded = load_model(mc.model, mc.torch_dtype, backend, mc.max_model_len)
         self.model, self.arch, self.tokenizer = loaded.model, loaded.arch, loaded.tokenizer
@@ -87,6 +89,8 @@ class LLMEngine:
         logger.info("model %s (%s, %d layers, %d kv heads x %d), dtype %s, attention %s", name, self.arch.model_type,
                     self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim, self.config.model.torch_dtype,
                     self.attention_backend)
+        if not self.keeps_freed_memory:
+            logger.info("host allocator: glibc defaults (freed large blocks go back to the kernel)")
         logger.info("KV cache (%s): %.1f MiB budget, %g bytes/token, %d blocks of %d tokens = %d tokens; "
                     "max concurrency at max_model_len %d: %.2f", p.spec.name, p.budget_bytes / 2**20, p.bytes_per_token,
                     p.num_blocks, p.block_size, p.num_tokens, lim.max_model_len, p.max_concurrency(lim.max_model_len))

@@ -14,6 +14,7 @@ from pagoda.layers.sampler import (
     SamplingRow,
     _apply_top_k,
     _apply_top_k_top_p,
+    _inverse_cdf,
     apply_logit_processing,
     prompt_logprobs,
 )
@@ -257,3 +258,47 @@ def test_sampling_frequencies_match_distribution(params: dict[str, Any]) -> None
     for count, p in zip(counts, _expected(probs, **params), strict=True):
         sigma = math.sqrt(n * p * (1 - p))
         assert abs(count - n * p) <= 5 * sigma + 1e-9, (counts, params)
+
+
+@pytest.mark.parametrize("vocab", [1, 255, 256, 1000, 49152])
+def test_inverse_cdf_matches_a_full_cumulative_sum(vocab: int) -> None:
+    """The two-level search picks the same index as searching one float64 cumsum of the row.
+    Integer weights (many of them zero) keep every sum exact, so the two agree exactly."""
+    g = torch.Generator().manual_seed(vocab)
+    weights = torch.randint(0, 4, (64, vocab), generator=g).float() * (torch.rand(64, vocab, generator=g) < 0.3)
+    weights[:, torch.randint(0, vocab, (1,), generator=g)] = 1.0  # every row has a positive entry
+    u = torch.rand(64, dtype=torch.float64, generator=g)
+    u[:4] = torch.tensor([0.0, 1 - 2**-53, 0.5, 1e-9], dtype=torch.float64)
+    cdf = weights.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    got = _inverse_cdf(weights, u)
+    assert torch.equal(got, expected)
+    assert bool((weights.gather(1, got.unsqueeze(1)) > 0).all())
+
+
+def test_inverse_cdf_never_picks_zero_weight_when_the_draw_rounds_up() -> None:
+    """u * total rounding up to the total falls back to the last entry of positive weight, also
+    when the chunk sums (float32) and the float64 cumulative sums disagree in the last bits."""
+    vocab = 3 * 256 + 7
+    weights = torch.zeros(3, vocab)
+    weights[0, 10] = 1.0  # one positive entry, first chunk
+    weights[1, 300:700] = torch.rand(400, generator=torch.Generator().manual_seed(0)) * 1e-3 + 0.1
+    weights[2, -1] = 5.0  # the padded last chunk
+    ids = _inverse_cdf(weights, torch.full((3,), 1 - 2**-53, dtype=torch.float64))
+    assert ids.tolist() == [10, 699, vocab - 1]
+    assert _inverse_cdf(weights, torch.zeros(3, dtype=torch.float64)).tolist() == [10, 300, vocab - 1]
+
+
+def test_random_sampling_follows_the_distribution_over_a_large_vocab() -> None:
+    """Frequencies of 4,000 draws from a known distribution spread over several CDF chunks."""
+    vocab, n = 1000, 4000
+    probs = torch.zeros(vocab)
+    probs[[3, 400, 401, 999]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = probs.log().expand(n, vocab).contiguous()
+    gen = torch.Generator().manual_seed(0)
+    rows = [_row(generator=gen, temperature=1.0) for _ in range(n)]
+    counts = torch.bincount(torch.tensor(Sampler()(logits, rows).token_ids), minlength=vocab).double() / n
+    assert set(torch.nonzero(counts).flatten().tolist()) <= {3, 400, 401, 999}
+    # 4 standard deviations of a frequency of 4,000 draws is at most 0.031
+    assert torch.allclose(counts[[3, 400, 401, 999]], torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64),
+                          atol=0.031)
