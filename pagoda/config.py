@@ -60,6 +60,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0  # seeds the generators of requests that give no seed
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    compile_model: bool = False  # torch.compile the forward pass at start-up (pagoda/model/compiled_forward.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

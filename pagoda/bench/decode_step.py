@@ -35,6 +35,8 @@ def main() -> None:
     p.add_argument("--no-grouping", action="store_true", help="one padded decode batch per step")
     p.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS)
     p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--compile-model", action="store_true", help="torch.compile the forward pass")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (default: the engine's)")
     p.add_argument("--torch-profile", action="store_true",
                    help="also print torch.profiler's table of the timed steps' ops (self CPU time)")
     args = p.parse_args()
@@ -42,7 +44,8 @@ def main() -> None:
         paged_kv._take = _advanced_indexing
     if args.no_grouping:
         attention_backend.DECODE_GROUP_PADDING = float("inf")
-    engine = LLM(attention_backend=args.attention_backend, dtype=args.dtype).engine
+    engine = LLM(attention_backend=args.attention_backend, dtype=args.dtype, compile_model=args.compile_model,
+                 kv_cache_memory=args.kv_cache_memory).engine
     rng = random.Random(0)
     for i in range(args.num_seqs):
         prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(*args.input_len))]
@@ -59,7 +62,9 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     print(json.dumps({"num_seqs": args.num_seqs, "input_len": args.input_len, "gather": args.gather,
                       "grouping": not args.no_grouping, "attention_backend": args.attention_backend,
-                      "dtype": args.dtype, "decode_step_ms": round(ms, 1)}))
+                      "dtype": args.dtype, "compile_model": args.compile_model,
+                      "startup_compile_s": round(engine.compile_seconds, 1),
+                      "kv_cache_blocks": engine.limits.kv.num_blocks, "decode_step_ms": round(ms, 1)}))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
     params = [SamplingParams(temperature=1.0, seed=args.seed + i, max_tokens=w.output_len, ignore_eos=True)
               for i, w in enumerate(work)]
     profiler = llm.engine.enable_profiling() if getattr(args, "profile", False) else None
+    llm.engine.track_kv_usage = getattr(args, "kv_usage", False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.json)
     elapsed = time.perf_counter() - start
@@ -77,6 +78,10 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
         "keeps_freed_memory": llm.engine.keeps_freed_memory,
     })
     result.update(compute_floor(llm.engine.model, prompt_tokens, output_tokens, elapsed))
+    stats = llm.engine.stats
+    if llm.engine.track_kv_usage and stats.kv_slots_held:
+        # over all steps: of the KV slots in blocks held by requests, the share holding a token
+        result["kv_token_utilization"] = stats.kv_slots_filled / stats.kv_slots_held
     if profiler is not None:
         result["profile"] = profiler.report()
     return result
@@ -138,6 +143,9 @@ def add_parser(sub: Any, add_engine_flags: Any) -> None:
                    help="CPU threads for the llamacpp backend (default: all cores)")
     p.add_argument("--profile", action="store_true",
                    help="pagoda backend: break each step's time down by phase and module kind")
+    p.add_argument("--kv-usage", action="store_true",
+                   help="pagoda backend: after every step, count the KV slots held by requests that hold a "
+                        "token (kv_token_utilization); walks every block table each step")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_flags(p)
 

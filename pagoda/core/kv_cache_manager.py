@@ -190,6 +190,21 @@ class KVCacheManager:
             self.offload.clear()
         return True
 
+    def slot_usage(self, num_cached_tokens: dict[str, int]) -> tuple[int, int]:
+        """Of the slots in blocks that requests hold: (how many hold a token, how many there are).
+
+        num_cached_tokens: request id -> tokens of it in the cache. A block shared by several requests
+        (a cached prefix, parallel samples) counts once. Blocks kept only as prefix cache (ref count 0)
+        are not held by anyone and not counted.
+        """
+        filled: dict[int, int] = {}
+        bs = self.block_size
+        for request_id, table in self.block_tables.items():
+            n = num_cached_tokens.get(request_id, 0)
+            for j, block_id in enumerate(table):
+                filled[block_id] = max(filled.get(block_id, 0), min(bs, max(0, n - j * bs)))
+        return sum(filled.values()), len(filled) * bs
+
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]
 

@@ -6,6 +6,7 @@ Differences are options, not branches per model: q/k/v biases (Qwen2), per-head 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,8 @@ from torch import nn
 
 from pagoda.layers.attention import AttentionBackend, AttentionMetadata, PagedKVCache
 from pagoda.layers.layernorm import RMSNorm
-from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.model.compiled_forward import compile_forward, paged_attention, step_context
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -71,8 +73,9 @@ class ArchConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         bias = cfg.attention_bias
@@ -86,16 +89,21 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache | None,
+                meta: AttentionMetadata | None) -> torch.Tensor:
+        """kv_cache and meta are None inside the compiled forward: the attention op then finds them in
+        the step context (pagoda/model/compiled_forward.py)."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        q, k = apply_rotary(q, k, cos, sin)
+        if kv_cache is None or meta is None:
+            out = paged_attention(q, k, v, self.layer_idx, self.scale)
+        else:
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -111,16 +119,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache | None,
+                meta: AttentionMetadata | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -131,7 +139,7 @@ class LlamaModel(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
 
@@ -141,18 +149,36 @@ class LlamaForCausalLM(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.config = cfg
+        self.backend = backend
         self.model = LlamaModel(cfg, backend, max_positions, dtype)
+        self.compiled_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[PagedKVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: (T,) -> final hidden states (T, hidden)."""
+        """input_ids, positions: (T,) -> final hidden states (T, hidden).
+
+        Runs the compiled forward when `compile()` made one.
+        """
+        if self.compiled_forward is not None:
+            with step_context(self.backend, kv_caches, meta):
+                return self.compiled_forward(input_ids, positions)
+        return self._forward(input_ids, positions, kv_caches, meta)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[PagedKVCache] | None = None, meta: AttentionMetadata | None = None) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.model.rotary, kv_cache, meta)
+        cos, sin = self.model.rotary.cos_sin(positions)  # once per step, shared by every layer
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, kv_caches[i] if kv_caches is not None else None, meta)
         return self.model.norm(x)
+
+    def compile(self) -> float:  # type: ignore[override]
+        """Compiles the forward pass (pagoda/model/compiled_forward.py); returns the seconds it took."""
+        self.compiled_forward, seconds = compile_forward(self._forward, self.config.hidden_size)
+        return seconds
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

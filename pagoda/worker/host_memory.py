@@ -8,8 +8,9 @@ batch x vocab floats, sampling buffers), so each step page-faults them in again:
 2-4x a pass over a reused one (the sampler took 28 ms instead of 10 ms per step for 128 rows).
 
 `keep_freed_memory()` tells glibc to keep freed memory for reuse (mmap threshold 1 GiB, no trim;
-both are needed: either alone left the sampler as slow), which is what LD_PRELOADing tcmalloc or jemalloc gets CPU inference servers. The cost: the process
-keeps its peak heap instead of handing it back. Set PAGODA_KEEP_FREED_MEMORY=0 to leave glibc's
+both are needed: either alone left the sampler as slow), which is what CPU inference servers get by
+LD_PRELOADing tcmalloc or jemalloc. The cost: the process keeps its peak heap instead of handing it
+back. Set PAGODA_KEEP_FREED_MEMORY=0 to leave glibc's
 defaults alone; on a C library other than glibc this does nothing.
 """
 

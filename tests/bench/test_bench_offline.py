@@ -67,6 +67,16 @@ def test_one_stream_reports_prompt_and_decode_rates(model_dir: Path, capsys: pyt
     assert result["decode_tokens_per_second"] == pytest.approx(4 / (result["elapsed_s"] - ttft))
 
 
+def test_kv_usage_counts_filled_slots_of_held_blocks(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One 20-token prompt, 5 output tokens, blocks of 16: after steps 1-4 the request holds 2 blocks
+    (32 slots) with 20, 21, 22, 23 tokens in them; after step 5 it has finished and holds none."""
+    argv = ["bench", "throughput", "--model", str(model_dir), "--num-prompts", "1", "--input-len", "20:20",
+            "--output-len", "5", "--json", *ENGINE]
+    assert "kv_token_utilization" not in run_json(capsys, *argv)  # only measured when asked
+    result = run_json(capsys, *argv, "--kv-usage")
+    assert result["kv_token_utilization"] == pytest.approx((20 + 21 + 22 + 23) / (4 * 32))
+
+
 def test_hf_static_batch_generates_exactly_output_len(model_dir: Path) -> None:
     hf = load_hf_model(str(model_dir), torch.float32)
     eos = 257

@@ -176,3 +176,28 @@ def test_a_prefix_being_computed_is_waited_for_not_computed_twice() -> None:
     s.update(first, ModelRunnerOutput(sampled={"a": SampledToken(9, 0.0)}))
     second = s.schedule()
     assert b.num_cached_tokens == 40 and [x.num_new_tokens for x in second.seqs if x.request is b] == [1]
+
+
+def test_slot_usage_counts_shared_blocks_once() -> None:
+    """KV slot usage (bench throughput --kv-usage): a shared prefix block counts once; only the
+    last block of each request is partly filled."""
+    kv = KVCacheManager(32, 4, model_identity="m")
+    s = Scheduler(SchedulerConfig(), kv)
+    a, b = _req("a", list(range(1, 11)), max_tokens=5), _req("b", list(range(100, 113)), max_tokens=5)
+    s.add_request(a)
+    s.schedule()  # a computes its 10 prompt tokens: blocks of 4 + 4 + 2
+    a.num_computed_tokens = 10
+    assert kv.slot_usage({"a": 10}) == (10, 12)
+    s.add_request(b)
+    s.schedule()  # b: 13 prompt tokens in 4 blocks of its own
+    kv.cache_full_blocks(a)
+    c = _req("c", list(range(1, 11)) + [60], max_tokens=5)
+    s.add_request(c)
+    s.schedule()
+    shared = kv.block_table("c")[:2]
+    assert shared == kv.block_table("a")[:2]  # c's first 8 tokens are a's blocks
+    filled, held = kv.slot_usage({"a": 10, "b": 13, "c": 11})
+    # a: 4 + 4 + 2, b: 4 + 4 + 4 + 1 in its own blocks, c: the shared 8 + its own 3
+    assert (filled, held) == (10 + 13 + 3, 4 * (3 + 4 + 1))
+    assert kv.slot_usage({}) == (0, held)  # held blocks count even when nothing is in them yet
+    assert kv.slot_usage({"a": 10, "b": 13, "c": 0}) == (10 + 13, held)  # the shared blocks are a's

@@ -62,6 +62,15 @@ def test_all_together_with_chunked_prefill(tiny_model: tuple[str, Path], referen
     assert llm.get_metrics()["kv_blocks_in_use"] == 0
 
 
+def test_compiled_forward_with_chunked_prefill(tiny_model: tuple[str, Path], reference: list) -> None:
+    """--compile-model: the forward pass compiled by torch.compile, attention as an opaque op."""
+    llm = LLM(str(tiny_model[1]), dtype="float64", max_num_batched_tokens=48, compile_model=True)
+    assert llm.engine.model.compiled_forward is not None
+    outputs = llm.generate(prompts(), greedy_params(), use_tqdm=False)
+    check(outputs, reference)
+    assert llm.get_metrics()["kv_blocks_in_use"] == 0
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "compiled"])
 def test_all_together_with_preemption(tiny_model: tuple[str, Path], reference: list, backend: str) -> None:
     arch = ArchConfig.from_hf(json.loads((tiny_model[1] / "config.json").read_text()))

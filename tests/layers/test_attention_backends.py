@@ -62,7 +62,9 @@ def test_compiled_decode_on_size_one_groups(num_seqs: int, num_blocks: int) -> N
     torch.testing.assert_close(got, TorchAttentionBackend().decode(q, cache, group, 0.125), atol=1e-12, rtol=1e-12)
 
 
-def test_compiled_backend_compiles_once_at_start_up(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("compile_model", [False, True])
+def test_compiled_backend_compiles_once_at_start_up(tmp_path: object, monkeypatch: pytest.MonkeyPatch,
+                                                     compile_model: bool) -> None:
     """After the engine's warm-up, serving batches of any size and context length compiles nothing more
     (a guard failure, e.g. on grad mode or a size-1 dimension, would recompile in the middle of serving)."""
     from pathlib import Path
@@ -74,7 +76,7 @@ def test_compiled_backend_compiles_once_at_start_up(tmp_path: object, monkeypatc
 
     monkeypatch.setattr("pagoda.layers.attention.compiled.MIN_COMPILED_TOKENS", 0)  # every group uses the kernel
     folder = make_tiny_model(Path(str(tmp_path)), "llama")
-    llm = LLM(str(folder), attention_backend="compiled", max_num_batched_tokens=64)
+    llm = LLM(str(folder), attention_backend="compiled", max_num_batched_tokens=64, compile_model=compile_model)
     assert llm.engine.compile_seconds > 0
     before = counters["stats"]["unique_graphs"]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

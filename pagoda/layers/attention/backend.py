@@ -24,6 +24,7 @@ class DecodeGroup:
     rows: torch.Tensor  # (Bd,) int64 query rows
     block_tables: torch.Tensor  # (Bd, max_blocks) int64, padded with block 0 (masked out)
     seq_lens: torch.Tensor  # (Bd,) int64
+    whole_step: bool = False  # rows are 0..T-1 in order: the step is this group's decodes alone
 
 
 @dataclass
@@ -47,10 +48,12 @@ def build_attention_metadata(seqs: list[tuple[list[int], int, int]], block_size:
         qsl.append(qsl[-1] + n)
         seq_lens.append(start + n)
     decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
+    groups = [_decode_group(g, tables, qsl, seq_lens) for g in _group_by_length(decodes, tables)]
+    if len(groups) == 1 and len(decodes) == len(seqs):
+        groups[0].whole_step = bool(torch.equal(groups[0].rows, torch.arange(len(seqs))))
     return AttentionMetadata(
         slot_mapping=torch.cat(slots), query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
-        decode_groups=[_decode_group(g, tables, qsl, seq_lens) for g in _group_by_length(decodes, tables)],
-        prefill_idx=[i for i, (_, _, n) in enumerate(seqs) if n > 1])
+        decode_groups=groups, prefill_idx=[i for i, (_, _, n) in enumerate(seqs) if n > 1])
 
 
 def _group_by_length(idx: list[int], tables: list[torch.Tensor]) -> list[list[int]]:
@@ -98,6 +101,8 @@ class PagedAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         kv_cache.write(meta.slot_mapping, k, v)
+        if len(meta.decode_groups) == 1 and meta.decode_groups[0].whole_step:  # e.g. one stream decoding
+            return self.decode(q, kv_cache, meta.decode_groups[0], scale)
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             out[group.rows] = self.decode(q[group.rows], kv_cache, group, scale)

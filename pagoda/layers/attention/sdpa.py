@@ -33,10 +33,16 @@ class SDPAAttentionBackend(PagedAttentionBackend):
     def decode(self, q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
         keys, values = kv_cache.gather(group.block_tables, q.dtype)  # (Bd, max_blocks, bs, Hkv, D)
         keys, values = keys.flatten(1, 2), values.flatten(1, 2)  # (Bd, L_max, Hkv, D)
-        valid = torch.arange(keys.shape[1]).unsqueeze(0) < group.seq_lens.unsqueeze(1)  # (Bd, L_max)
+        mask = None
+        if q.shape[0] == 1:  # one sequence: cut its context to length instead of masking the padding
+            n = int(group.seq_lens[0])
+            keys, values = keys[:, :n], values[:, :n]
+        else:
+            valid = torch.arange(keys.shape[1]).unsqueeze(0) < group.seq_lens.unsqueeze(1)  # (Bd, L_max)
+            mask = valid[:, None, None, :]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),  # (Bd, H, 1 | L, D)
-            attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+            attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(2)  # (Bd, Hq, D)
 
 
