@@ -65,7 +65,7 @@ class LLMEngine:
         self.compile_seconds = backend.warmup(caches[0], self.arch.num_heads, mc.torch_dtype, self.arch.head_dim**-0.5)
         self.attention_backend = backend.name  # after warm-up: the backend actually in use
         if mc.compile_model:
-            self.compile_seconds += self.model.compile()
+            self.compile_seconds += self.model.enable_compiled_forward()
         offload = self._make_offload_store(caches)
         identity = f"{loaded.identity}:{mc.torch_dtype}:{plan.spec.name}"  # whose K/V a cached block holds
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching, identity,

@@ -160,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[PagedKVCache], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden).
 
-        Runs the compiled forward when `compile()` made one.
+        Runs the compiled forward when `enable_compiled_forward()` made one.
         """
         if self.compiled_forward is not None:
             with step_context(self.backend, kv_caches, meta):
@@ -175,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_caches[i] if kv_caches is not None else None, meta)
         return self.model.norm(x)
 
-    def compile(self) -> float:  # type: ignore[override]
+    def enable_compiled_forward(self) -> float:
         """Compiles the forward pass (pagoda/model/compiled_forward.py); returns the seconds it took."""
         self.compiled_forward, seconds = compile_forward(self._forward, self.config.hidden_size)
         return seconds
