@@ -35,3 +35,13 @@ def test_decode_attention_times_each_backend(capsys: pytest.CaptureFixture[str],
     assert [r["backend"] for r in rows] == ["sdpa", "compiled"]
     assert all(r["ms_per_call"] > 0 and r["read_gb_per_s"] > 0 for r in rows)
     assert rows[0]["compile_s"] == 0 and rows[1]["compile_s"] > 0
+
+
+def test_linear_stream_compares_equal_results(capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The script checks that oneDNN's packed weights give F.linear's results before timing them."""
+    from pagoda.bench.linear_stream import main
+
+    rows = run_module(main, ["--rows", "1,3", "--layers", "1", "--repeats", "1"], capsys, monkeypatch)
+    assert [r["rows"] for r in rows] == [1, 3]
+    assert all(r["linear_ms"] > 0 and r["onednn_packed_ms"] > 0 and r["layers"] == 1 for r in rows)

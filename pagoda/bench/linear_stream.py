@@ -1,0 +1,70 @@
+"""One decode step's matmuls alone: every linear layer of the default model's shapes (30 layers of
+q, k, v, o, gate, up, down, then the lm_head), each weight its own tensor so the step streams ~540 MB
+of float32 weights from memory as the model does, for M rows (the requests in a decode step).
+
+Compares `F.linear` on plain weights (what the model runs) with oneDNN on weights reordered once into
+its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`), the format
+inductor's freezing uses. Prints one JSON line per row count: best of --repeats, in milliseconds.
+
+    python -m pagoda.bench.linear_stream --rows 1,4,16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.bench.common import machine_info
+
+HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
+LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # (out, in)
+
+
+def _best_ms(f: Callable[[], object], repeats: int) -> float:
+    f()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128", help="comma-separated row counts (M)")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) * 0.02 for _ in range(args.layers) for n, k in LAYER_SHAPES]
+    weights.append(torch.randn(VOCAB, HIDDEN, generator=g) * 0.02)  # lm_head
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+    linear_pointwise = torch.ops.mkldnn._linear_pointwise
+    with torch.inference_mode():
+        for m in (int(r) for r in args.rows.split(",")):
+            inputs = {k: torch.randn(m, k, generator=g) for k in (HIDDEN, INTERMEDIATE)}
+            for w, pw in zip(weights[:7] + weights[-1:], packed[:7] + packed[-1:], strict=True):  # same results
+                torch.testing.assert_close(linear_pointwise(inputs[w.shape[1]], pw, None, "none", [], ""),
+                                           F.linear(inputs[w.shape[1]], w), rtol=1e-4, atol=1e-4)
+            xs = [inputs[w.shape[1]] for w in weights]
+
+            def plain_step(xs: list[torch.Tensor] = xs) -> object:
+                return [F.linear(x, w) for x, w in zip(xs, weights, strict=True)]
+
+            def onednn_step(xs: list[torch.Tensor] = xs) -> object:
+                return [linear_pointwise(x, pw, None, "none", [], "") for x, pw in zip(xs, packed, strict=True)]
+
+            plain, onednn = _best_ms(plain_step, args.repeats), _best_ms(onednn_step, args.repeats)
+            print(json.dumps({"rows": m, "layers": args.layers, "linear_ms": round(plain, 2),
+                              "onednn_packed_ms": round(onednn, 2), "ratio": round(plain / onednn, 3),
+                              "machine": machine_info()}))
+
+
+if __name__ == "__main__":
+    main()
