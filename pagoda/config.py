@@ -61,12 +61,15 @@ class ModelConfig:
     seed: int = 0  # seeds the generators of requests that give no seed
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     compile_model: bool = False  # torch.compile the forward pass at start-up (pagoda/model/compiled_forward.py)
+    prepack_weights: bool = False  # oneDNN-packed float32 weights for decode batches (pagoda/layers/linear.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len, 1 << 20)
+        if self.prepack_weights and self.compile_model:
+            raise ValueError("prepack_weights and compile_model cannot be combined: choose one")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

@@ -70,3 +70,10 @@ def test_unknown_model_is_a_clear_error(tmp_path: object) -> None:
     with pytest.raises(ValueError, match="not a known alias"):
         resolve_model_path("no-such-model")
     assert resolve_model_path("smollm2-135m-instruct").name.endswith(".gguf")
+
+
+def test_prepack_weights_and_compile_model_exclude_each_other() -> None:
+    from pagoda.config import ModelConfig
+
+    with pytest.raises(ValueError, match="prepack_weights and compile_model"):
+        ModelConfig(prepack_weights=True, compile_model=True)

@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS)
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--compile-model", action="store_true", help="torch.compile the forward pass")
+    p.add_argument("--prepack-weights", action="store_true", help="oneDNN-packed float32 linear weights")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (default: the engine's)")
     p.add_argument("--torch-profile", action="store_true",
                    help="also print torch.profiler's table of the timed steps' ops (self CPU time)")
@@ -45,7 +46,7 @@ def main() -> None:
     if args.no_grouping:
         attention_backend.DECODE_GROUP_PADDING = float("inf")
     engine = LLM(attention_backend=args.attention_backend, dtype=args.dtype, compile_model=args.compile_model,
-                 kv_cache_memory=args.kv_cache_memory).engine
+                 kv_cache_memory=args.kv_cache_memory, prepack_weights=args.prepack_weights).engine
     rng = random.Random(0)
     for i in range(args.num_seqs):
         prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(*args.input_len))]
@@ -63,6 +64,7 @@ def main() -> None:
     print(json.dumps({"num_seqs": args.num_seqs, "input_len": args.input_len, "gather": args.gather,
                       "grouping": not args.no_grouping, "attention_backend": args.attention_backend,
                       "dtype": args.dtype, "compile_model": args.compile_model,
+                      "prepack_weights": args.prepack_weights,
                       "startup_compile_s": round(engine.compile_seconds, 1),
                       "kv_cache_blocks": engine.limits.kv.num_blocks, "decode_step_ms": round(ms, 1)}))
 

@@ -14,7 +14,7 @@ from pagoda.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ("model", "dtype", "block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
                 "max_model_len", "enable_prefix_caching", "kv_cache_dtype", "kv_offload_memory", "attention_backend",
-                "compile_model")
+                "compile_model", "prepack_weights")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -38,6 +38,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-model", action="store_true",
                    help="compile the forward pass with torch.compile at start-up (attention stays eager); "
                         "needs a C++ compiler")
+    g.add_argument("--prepack-weights", action="store_true",
+                   help="float32 models: keep a oneDNN-packed copy of each linear weight and use it for steps of "
+                        "3-96 tokens (1.3-1.6x faster matmuls there; twice the weight memory)")
     g.add_argument("--kv-offload-memory", default=None,
                    help="second KV tier: host memory for cached blocks evicted from the cache, e.g. 2GiB")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
