@@ -69,7 +69,11 @@ class LLMEngine:
             self.compile_seconds += self.model.enable_compiled_forward()
         if mc.prepack_weights:
             added = prepack_linears(self.model)
-            logger.info("prepacked linear weights for 3-96-token steps: %.1f MiB more", added / 2**20)
+            if added:
+                logger.info("prepacked linear weights for 3-96-token steps: %.1f MiB more", added / 2**20)
+            else:
+                logger.warning("prepack_weights: nothing packed (it applies to float32 weights with oneDNN); "
+                               "dtype is %s", mc.torch_dtype)
         offload = self._make_offload_store(caches)
         identity = f"{loaded.identity}:{mc.torch_dtype}:{plan.spec.name}"  # whose K/V a cached block holds
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching, identity,

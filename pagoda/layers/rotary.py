@@ -51,10 +51,6 @@ class RotaryEmbedding(torch.nn.Module):
         """positions (T,) -> cos, sin (T, 1, D) for apply_rotary."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: (T, Hq, D), k: (T, Hkv, D), positions: (T,)."""
-        return apply_rotary(q, k, *self.cos_sin(positions))
-
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
