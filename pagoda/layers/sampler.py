@@ -169,9 +169,10 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 # Inverse-CDF sampling searches a two-level CDF: sums over chunks of this many vocab entries, then
-# a cumulative sum within the one chunk each row's draw falls in. A float64 cumsum over the whole
-# vocabulary cost 29 ms for 128 rows of 49,152 (torch's CPU float64 conversions are slow), most of
-# a bfloat16 decode step's sampling; the chunked search touches the vocabulary twice in float32.
+# a cumulative sum within the one chunk each row's draw falls in. Searching one float64 cumsum over
+# the whole vocabulary took 30-37 ms for 128 rows of 49,152 (7-9 ms with the engine's allocator
+# setting, pagoda/worker/host_memory.py); the two-level search takes under 1 ms
+# (`python -m pagoda.bench.sampler`).
 _CDF_CHUNK = 256
 
 

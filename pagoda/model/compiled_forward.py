@@ -1,7 +1,8 @@
 """The model's forward pass compiled whole with torch.compile (inductor), attention left opaque.
 
 Eager PyTorch pays a dispatch per op: a SmolLM2 layer runs ~40 small ops (norms, rotary, residual
-adds, SiLU) around its 7 matmuls, ~10 ms of a 37 ms single-stream step on this project's CPU. Compiled,
+adds, SiLU) around its 7 matmuls: 10-14 ms of a 37 ms single-stream step on this project's CPU
+(step time less matmul time under the torch profiler, BENCHMARKS.md). Compiled,
 inductor fuses each run of elementwise ops into one C++ loop and calls the matmuls directly.
 
 Attention stays outside the graph: its work depends on the step's metadata (decode groups, prompt

@@ -5,7 +5,8 @@ and returns them to the kernel on free, and trims the top of its heap when much 
 An engine step allocates the same large temporaries every step (activations, logits of
 batch x vocab floats, sampling buffers), so each step page-faults them in again: 128 rows of
 49,152 logits are 25 MiB, and on this project's machine one pass over such a fresh buffer cost
-2-4x a pass over a reused one (the sampler took 28 ms instead of 10 ms per step for 128 rows).
+more than a pass over a reused one (`python -m pagoda.bench.sampler`: the sampler took 11-32 ms per
+call for 128 rows with glibc's defaults, 8.5-15 ms with this setting; BENCHMARKS.md).
 
 `keep_freed_memory()` tells glibc to keep freed memory for reuse (mmap threshold 1 GiB, no trim;
 both are needed: either alone left the sampler as slow), which is what CPU inference servers get by

@@ -45,3 +45,12 @@ def test_linear_stream_compares_equal_results(capsys: pytest.CaptureFixture[str]
     rows = run_module(main, ["--rows", "1,3", "--layers", "1", "--repeats", "1"], capsys, monkeypatch)
     assert [r["rows"] for r in rows] == [1, 3]
     assert all(r["linear_ms"] > 0 and r["onednn_packed_ms"] > 0 and r["layers"] == 1 for r in rows)
+
+
+def test_sampler_bench_times_both_searches(capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda.bench.sampler import main
+
+    rows = run_module(main, ["--rows", "4", "--vocab", "1000", "--iters", "1"], capsys, monkeypatch)
+    assert len(rows) == 1 and rows[0]["rows"] == 4 and rows[0]["keeps_freed_memory"] is False
+    assert all(rows[0][k] > 0 for k in ("sampler_ms", "two_level_search_ms", "full_float64_cumsum_search_ms"))
