@@ -61,7 +61,7 @@ class ModelConfig:
     seed: int = 0  # seeds the generators of requests that give no seed
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     compile_model: bool = False  # torch.compile the forward pass at start-up (pagoda/model/compiled_forward.py)
-    prepack_weights: bool = False  # oneDNN-packed float32 weights for decode batches (pagoda/layers/linear.py)
+    prepack_weights: bool = False  # oneDNN-packed float32/bfloat16 weights for decode batches (pagoda/layers/linear.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -40,18 +40,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128", help="comma-separated row counts (M)")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=g) * 0.02 for _ in range(args.layers) for n, k in LAYER_SHAPES]
-    weights.append(torch.randn(VOCAB, HIDDEN, generator=g) * 0.02)  # lm_head
+    weights = [(torch.randn(n, k, generator=g) * 0.02).to(dtype) for _ in range(args.layers) for n, k in LAYER_SHAPES]
+    weights.append((torch.randn(VOCAB, HIDDEN, generator=g) * 0.02).to(dtype))  # lm_head
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
     with torch.inference_mode():
         for m in (int(r) for r in args.rows.split(",")):
-            inputs = {k: torch.randn(m, k, generator=g) for k in (HIDDEN, INTERMEDIATE)}
+            inputs = {k: torch.randn(m, k, generator=g).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
             for w, pw in zip(weights[:7] + weights[-1:], packed[:7] + packed[-1:], strict=True):  # same results
                 torch.testing.assert_close(linear_pointwise(inputs[w.shape[1]], pw, None, "none", [], ""),
-                                           F.linear(inputs[w.shape[1]], w), rtol=1e-4, atol=1e-4)
+                                           F.linear(inputs[w.shape[1]], w), rtol=tol, atol=tol)
             xs = [inputs[w.shape[1]] for w in weights]
 
             def plain_step(xs: list[torch.Tensor] = xs) -> object:
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
                 return [linear_pointwise(x, pw, None, "none", [], "") for x, pw in zip(xs, packed, strict=True)]
 
             plain, onednn = _best_ms(plain_step, args.repeats), _best_ms(onednn_step, args.repeats)
-            print(json.dumps({"rows": m, "layers": args.layers, "linear_ms": round(plain, 2),
+            print(json.dumps({"rows": m, "dtype": args.dtype, "layers": args.layers, "linear_ms": round(plain, 2),
                               "onednn_packed_ms": round(onednn, 2), "ratio": round(plain / onednn, 3),
                               "machine": machine_info()}))
 

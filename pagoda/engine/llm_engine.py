@@ -66,14 +66,15 @@ class LLMEngine:
         self.compile_seconds = backend.warmup(caches[0], self.arch.num_heads, mc.torch_dtype, self.arch.head_dim**-0.5)
         self.attention_backend = backend.name  # after warm-up: the backend actually in use
         if mc.compile_model:
-            self.compile_seconds += self.model.enable_compiled_forward()
+            self.compile_seconds += self.model.enable_compiled_forward(caches)
         if mc.prepack_weights:
-            added = prepack_linears(self.model)
-            if added:
-                logger.info("prepacked linear weights for 3-96-token steps: %.1f MiB more", added / 2**20)
+            added, rows = prepack_linears(self.model)
+            if rows is not None:
+                logger.info("prepacked linear weights for %d-%d-token steps: %.1f MiB more", rows.start,
+                            rows.stop - 1, added / 2**20)
             else:
-                logger.warning("prepack_weights: nothing packed (it applies to float32 weights with oneDNN); "
-                               "dtype is %s", mc.torch_dtype)
+                logger.warning("prepack_weights: nothing packed (it applies to float32 and bfloat16 weights with "
+                               "oneDNN); dtype is %s", mc.torch_dtype)
         offload = self._make_offload_store(caches)
         identity = f"{loaded.identity}:{mc.torch_dtype}:{plan.spec.name}"  # whose K/V a cached block holds
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching, identity,
@@ -208,7 +209,7 @@ class LLMEngine:
             if self.model.compiled_forward is not None:
                 # the profiler times modules with forward hooks, which only the eager forward runs
                 logger.warning("profiling: the forward pass runs eagerly from now on (not compiled)")
-                self.model.compiled_forward = None
+                self.model.compiled_forward = self.model.compiled_one_stream = None
             self.profiler = StepProfiler()
             self.profiler.attach(self.model)
             self.runner.profiler = self.profiler

@@ -1,14 +1,15 @@
-"""Linear layers on oneDNN-packed float32 weights for decode-sized batches (`--prepack-weights`).
+"""Linear layers on oneDNN-packed weights for decode-sized batches (`--prepack-weights`).
 
-With M rows (the requests of a decode step), `F.linear` on a plain float32 weight costs far more than
-reading the weight: one step's matmuls took 2.4x longer at 16 rows than at one
-(`python -m pagoda.bench.linear_stream`). oneDNN on the same weights reordered once into its blocked
-layout ran those matmuls 1.30-1.56x faster at 4-32 rows, about as fast at 64-128, and 0.90x at 1-2 rows.
+With M rows (the requests of a decode step), `F.linear` on a plain weight costs far more than reading
+the weight. oneDNN on the same weights reordered once into its blocked layout does better, by dtype
+(`python -m pagoda.bench.linear_stream [--dtype bfloat16]`, one step's matmuls, BENCHMARKS.md):
+  - float32: 1.30-1.56x faster at 4-32 rows, about as fast at 64-128, 0.90x at 1-2 rows;
+  - bfloat16: 1.08-1.73x at 1-1,024 rows, but 0.61x at 2,048 (a full prompt-chunk step).
 
 So each packed layer keeps both copies and picks by the number of rows: the packed weight for
-PACKED_ROWS, the plain one otherwise (one stream, prompt chunks). The cost is a second copy of every
-float32 linear weight (the tied lm_head included). Results differ from F.linear by float rounding only.
-Not combined with --compile-model, whose graph would have to branch on the token count.
+PACKED_ROWS[dtype], the plain one otherwise (one float32 stream, large prompt chunks). The cost is a
+second copy of every linear weight (the tied lm_head included). Results differ from F.linear by float
+rounding only. Not combined with --compile-model, whose graph would have to branch on the token count.
 """
 
 from __future__ import annotations
@@ -19,29 +20,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED_ROWS = range(3, 97)  # rows (tokens in the step) that use the packed weight; measured, see above
+# rows (tokens in the step) that use the packed weight, per weight dtype; measured, see above
+PACKED_ROWS: dict[torch.dtype, range] = {torch.float32: range(3, 97), torch.bfloat16: range(1, 1025)}
 
 
-def _packed_forward(layer: nn.Linear, packed: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def _packed_forward(layer: nn.Linear, packed: torch.Tensor, rows: range) -> Callable[[torch.Tensor], torch.Tensor]:
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] in PACKED_ROWS:
+        if x.dim() == 2 and x.shape[0] in rows:
             return linear_pointwise(x, packed, layer.bias, "none", [], "")
         return F.linear(x, layer.weight, layer.bias)
 
     return forward
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Gives every float32 nn.Linear of the model a oneDNN-packed copy of its weight, used for
-    PACKED_ROWS rows; returns the bytes the copies take (0 if oneDNN is unavailable)."""
+def prepack_linears(model: nn.Module) -> tuple[int, range | None]:
+    """Gives every float32 or bfloat16 nn.Linear of the model a oneDNN-packed copy of its weight, used for
+    PACKED_ROWS[dtype] rows; returns the bytes the copies take and the rows they serve ((0, None) if
+    oneDNN is unavailable or no layer has a packable dtype)."""
     if not torch.backends.mkldnn.is_available():
-        return 0
-    added = 0
+        return 0, None
+    added, used = 0, None
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
+        if isinstance(module, nn.Linear) and (rows := PACKED_ROWS.get(module.weight.dtype)) is not None:
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 16)
-            module.forward = _packed_forward(module, packed)  # type: ignore[method-assign,assignment]
-            added += module.weight.numel() * 4
-    return added
+            module.forward = _packed_forward(module, packed, rows)  # type: ignore[method-assign,assignment]
+            added += module.weight.numel() * module.weight.element_size()
+            used = rows
+    return added, used
