@@ -14,6 +14,14 @@ it writes to the cache are not graph values, so the graph cannot reorder anythin
 
 The number of tokens in a step is a dynamic dimension: torch.compile makes one graph for a single
 token (a size of 1 is specialised) and one for any other count, both at start-up (`warmup`).
+
+One stream decoding is the case where the opaque op costs most relative to the work: ~100 us of
+Python and small ops per layer around a 16-150-token attention. So a step whose only work is one
+sequence's decode runs a third graph (`compile_one_stream_decode`) with attention inside it: the
+caches are the attention modules' buffers, the new K/V go in with `index_copy_`, and attention is
+`paged_decode_attention` over the block table, which inductor fuses into a loop. Its inputs are the
+slot, the block table and the context length (`one_stream_decode_inputs`); the table's width is
+dynamic (at least 2: a masked padding block keeps torch from specialising on 1).
 """
 
 from __future__ import annotations
@@ -26,6 +34,27 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.layers.attention import AttentionBackend, AttentionMetadata, PagedKVCache
+
+
+@dataclass
+class OneStreamDecode:
+    """Inputs of the one-stream decode graph's attention: where the new token's K/V go and what to read."""
+
+    slot: torch.Tensor  # (1,) int64
+    block_table: torch.Tensor  # (1, n >= 2) int64
+    seq_len: torch.Tensor  # (1,) int64
+
+
+def one_stream_decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(slot, block table, context length) when the step is one sequence's decode, else None."""
+    groups = meta.decode_groups
+    if len(groups) != 1 or not groups[0].whole_step or groups[0].rows.shape[0] != 1:
+        return None
+    table = groups[0].block_tables
+    if table.shape[1] == 1:
+        table = torch.cat([table, torch.zeros_like(table)], dim=1)  # masked: past seq_len
+    torch._dynamo.maybe_mark_dynamic(table, 1)
+    return meta.slot_mapping, table, groups[0].seq_lens
 
 
 @dataclass
@@ -59,6 +88,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     return ctx.backend.forward(q, k, v, ctx.kv_caches[layer], ctx.meta, scale)
 
 
+@torch.library.custom_op("pagoda::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Writes k, v (T, Hkv, D) to the caches (num_blocks, block_size, Hkv, D) at slot (T,), in place.
+
+    An opaque op so that inductor writes the caches where they are: as an `index_copy_` in the graph,
+    inductor copied a whole layer's cache (70 MB) each step when it fused the write with a read."""
+    hkv, d = k.shape[1:]
+    k_cache.view(-1, hkv, d).index_copy_(0, slot, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slot, v.to(v_cache.dtype))
+
+
 @paged_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     return torch.empty_like(q)
@@ -79,4 +120,22 @@ def compile_forward(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
             out = compiled(ids, torch.arange(t))
             if out.shape != (t, hidden_size):
                 raise RuntimeError(f"compiled forward returned {tuple(out.shape)} for {t} tokens")
+    return compiled, time.perf_counter() - start
+
+
+def compile_one_stream_decode(forward: Callable[..., torch.Tensor],
+                              hidden_size: int) -> tuple[Callable[..., torch.Tensor], float]:
+    """Compiles forward(input_ids, positions, slot, block_table, seq_len) -> hidden (1, hidden) for one
+    sequence's decode step and runs it once (on slot 0, which a later write overwrites); returns it and
+    the seconds that took."""
+    # dynamic=None: static shapes except the block table's width, marked dynamic (False would ignore the mark)
+    compiled = torch.compile(forward, dynamic=None, fullgraph=True)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        table = torch.zeros((1, 2), dtype=torch.long)
+        torch._dynamo.maybe_mark_dynamic(table, 1)
+        out = compiled(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                       torch.zeros(1, dtype=torch.long), table, torch.ones(1, dtype=torch.long))
+        if out.shape != (1, hidden_size):
+            raise RuntimeError(f"compiled one-stream decode returned {tuple(out.shape)}")
     return compiled, time.perf_counter() - start

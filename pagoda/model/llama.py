@@ -15,9 +15,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.layers.attention import AttentionBackend, AttentionMetadata, PagedKVCache
+from pagoda.layers.attention.compiled import paged_decode_attention
 from pagoda.layers.layernorm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
-from pagoda.model.compiled_forward import compile_forward, paged_attention, step_context
+from pagoda.model.compiled_forward import (
+    OneStreamDecode,
+    compile_forward,
+    compile_one_stream_decode,
+    one_stream_decode_inputs,
+    paged_attention,
+    step_context,
+    write_kv,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -90,9 +99,10 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache | None,
-                meta: AttentionMetadata | None) -> torch.Tensor:
+                meta: AttentionMetadata | None, one_stream: OneStreamDecode | None = None) -> torch.Tensor:
         """kv_cache and meta are None inside the compiled forward: the attention op then finds them in
-        the step context (pagoda/model/compiled_forward.py)."""
+        the step context (pagoda/model/compiled_forward.py). one_stream: the compiled one-stream decode
+        graph, whose attention is part of the graph (the caches are this module's buffers)."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -100,11 +110,19 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos, sin)
-        if kv_cache is None or meta is None:
+        if one_stream is not None:
+            out = self._one_stream_attention(q, k, v, one_stream)
+        elif kv_cache is None or meta is None:
             out = paged_attention(q, k, v, self.layer_idx, self.scale)
         else:
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _one_stream_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              d: OneStreamDecode) -> torch.Tensor:
+        k_cache, v_cache = self.get_buffer("k_cache"), self.get_buffer("v_cache")
+        write_kv(k_cache, v_cache, d.slot, k, v)
+        return paged_decode_attention(q, k_cache, v_cache, None, None, d.block_table, d.seq_len, self.scale)
 
 
 class MLP(nn.Module):
@@ -127,8 +145,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache | None,
-                meta: AttentionMetadata | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+                meta: AttentionMetadata | None, one_stream: OneStreamDecode | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, one_stream)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -152,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.model = LlamaModel(cfg, backend, max_positions, dtype)
         self.compiled_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.compiled_one_stream: Callable[..., torch.Tensor] | None = None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -162,6 +181,8 @@ class LlamaForCausalLM(nn.Module):
 
         Runs the compiled forward when `enable_compiled_forward()` made one.
         """
+        if self.compiled_one_stream is not None and (inputs := one_stream_decode_inputs(meta)) is not None:
+            return self.compiled_one_stream(input_ids, positions, *inputs)
         if self.compiled_forward is not None:
             with step_context(self.backend, kv_caches, meta):
                 return self.compiled_forward(input_ids, positions)
@@ -175,10 +196,31 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_caches[i] if kv_caches is not None else None, meta)
         return self.model.norm(x)
 
-    def enable_compiled_forward(self) -> float:
-        """Compiles the forward pass (pagoda/model/compiled_forward.py); returns the seconds it took."""
+    def _forward_one_stream(self, input_ids: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
+                            block_table: torch.Tensor, seq_len: torch.Tensor) -> torch.Tensor:
+        """One sequence's decode step with its attention inside the graph (compile_one_stream_decode)."""
+        one_stream = OneStreamDecode(slot, block_table, seq_len)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary.cos_sin(positions)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, None, None, one_stream)
+        return self.model.norm(x)
+
+    def enable_compiled_forward(self, kv_caches: list[PagedKVCache]) -> float:
+        """Compiles the forward pass (pagoda/model/compiled_forward.py), and, for a cache stored in the
+        model dtype, the one-stream decode step with its attention in the graph; returns the seconds."""
         self.compiled_forward, seconds = compile_forward(self._forward, self.config.hidden_size)
-        return seconds
+        if kv_caches[0].spec.quantized:
+            return seconds
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            for name, tensor in (("k_cache", cache.k), ("v_cache", cache.v)):
+                # as the compiled attention backend marks them (kernel_decode): a mark added later would
+                # fail this graph's guards and recompile it in the middle of serving
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                layer.self_attn.register_buffer(name, tensor, persistent=False)
+        self.compiled_one_stream, more = compile_one_stream_decode(self._forward_one_stream, self.config.hidden_size)
+        return seconds + more
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -92,9 +92,9 @@ def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype) -
     spec = plan.spec
     assert spec.quantized or spec.storage_dtype == dtype, (spec, dtype)
     shape = (plan.num_blocks, plan.block_size, arch.num_kv_heads, arch.head_dim)
-    data = _zeros((arch.num_layers, 2, *shape), spec.storage_dtype)
     scale_shape = spec.scale_shape(plan.num_blocks, plan.block_size, arch.num_kv_heads)
-    if scale_shape is None:
-        return [PagedKVCache(data[i, 0], data[i, 1], spec) for i in range(arch.num_layers)]
-    scales = _zeros((arch.num_layers, 2, *scale_shape), SCALE_DTYPE)
-    return [PagedKVCache(data[i, 0], data[i, 1], spec, scales[i, 0], scales[i, 1]) for i in range(arch.num_layers)]
+    # One tensor each, not views of one buffer: a compiled graph that writes into caches aliasing one
+    # base (--compile-model's one-stream decode) would copy the whole base on every call.
+    return [PagedKVCache(_zeros(shape, spec.storage_dtype), _zeros(shape, spec.storage_dtype), spec,
+                         *((_zeros(scale_shape, SCALE_DTYPE), _zeros(scale_shape, SCALE_DTYPE)) if scale_shape else ()))
+            for _ in range(arch.num_layers)]
