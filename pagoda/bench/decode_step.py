@@ -5,9 +5,8 @@ are grouped by context length; and the attention backend and dtype.
     python -m pagoda.bench.decode_step --num-seqs 64 --input-len 128:512 --gather index_select
 
 The machine this project measures on changes speed from minute to minute, so two settings are best
-compared in one process: `--alternate-prepack` alternates blocks of steps with plain and packed linear
-weights, and `--bandwidth-floor` alternates steps with reading the weights' bytes (one decode step's
-floor), each for `--rounds` rounds, and reports medians.
+compared in one process: `--versus X --rounds N` alternates blocks of --steps steps with X (another
+setting, or reading the weights' bytes: the step's bandwidth floor) for N rounds and reports medians.
 """
 
 from __future__ import annotations
@@ -50,14 +49,10 @@ def main() -> None:
     p.add_argument("--torch-profile", action="store_true",
                    help="also print torch.profiler's table of the timed steps' ops (self CPU time)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="time ROUNDS blocks of --steps steps and report their median; with the two options "
-                        "below, alternate blocks in one process, so both sides see the same machine")
-    ab = p.add_mutually_exclusive_group()
-    ab.add_argument("--bandwidth-floor", action="store_true",
-                    help="alternate with reading a buffer as large as the linear weights (the bandwidth floor "
-                         "of one decode step); reports the step's ratio to it")
-    ab.add_argument("--alternate-prepack", action="store_true",
-                    help="alternate plain and oneDNN-packed linear weights (--prepack-weights); reports both")
+                   help="time ROUNDS blocks of --steps steps and report their median; with --versus, alternate "
+                        "blocks in one process, so that both sides see the same machine")
+    p.add_argument("--versus", choices=sorted(VERSUS), default=None,
+                   help="; ".join(f"{k}: {v}" for k, v in VERSUS.items()))
     args = p.parse_args()
     if args.gather == "advanced":
         paged_kv._take = _advanced_indexing
@@ -85,12 +80,9 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     ms = statistics.median(times["step"])
     extra: dict[str, object] = {}
-    if "packed_step" in times:
-        packed_ms = statistics.median(times["packed_step"])
-        extra = {"packed_step_ms": round(packed_ms, 1), "plain_over_packed": round(ms / packed_ms, 3)}
-    if "weights_read" in times:
-        floor_ms = statistics.median(times["weights_read"])
-        extra = {"weights_read_ms": round(floor_ms, 1), "step_over_floor": round(ms / floor_ms, 3)}
+    if args.versus:
+        other = statistics.median(times[args.versus])
+        extra = {"versus": args.versus, "versus_ms": round(other, 1), "step_over_versus": round(ms / other, 3)}
     print(json.dumps({"num_seqs": args.num_seqs, "input_len": args.input_len, "gather": args.gather,
                       "grouping": not args.no_grouping, "attention_backend": args.attention_backend,
                       "dtype": args.dtype, "compile_model": args.compile_model,
@@ -100,16 +92,30 @@ def main() -> None:
                       "decode_step_ms": round(ms, 1), **extra}))
 
 
+VERSUS = {
+    "weights-read": "reading a buffer as large as the linear weights, the bandwidth floor of a decode step",
+    "packed-weights": "the same steps on oneDNN-packed linear weights (--prepack-weights); leave that flag out",
+    "opaque-attention": "with --compile-model, the same steps without the one-stream graph (attention as the "
+                        "opaque op)",
+}
+
+
 def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Callable[[], None]]:
-    """What each round times, in order: `step` (--steps engine steps) and, when asked, its counterpart."""
+    """What each round times, in order: `step` (--steps engine steps) and, with --versus, its counterpart."""
     linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
 
     def steps() -> None:
         for _ in range(args.steps):
             engine.step()
 
-    sides: dict[str, Callable[[], None]] = {"step": steps}
-    if args.bandwidth_floor:
+    def after(setup: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            setup()
+            steps()
+
+        return run
+
+    if args.versus == "weights-read":
         # One buffer of the weights' bytes, summed: the read a decode step cannot avoid, measured as a rate.
         weights = torch.empty(sum(m.weight.numel() * m.weight.element_size() for m in linears) // 4)
         weights.normal_()
@@ -118,30 +124,36 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
             for _ in range(args.steps):
                 weights.sum()
 
-        sides["weights_read"] = read
-    if args.alternate_prepack:
+        return {"step": steps, "weights-read": read}
+    if args.versus == "packed-weights":
         if args.prepack_weights:
-            raise SystemExit("--alternate-prepack packs the weights itself: leave out --prepack-weights")
+            raise SystemExit("--versus packed-weights packs the weights itself: leave out --prepack-weights")
         prepack_linears(engine.model)
         packed = {m: vars(m)["forward"] for m in linears if "forward" in vars(m)}
 
-        def use(on: bool) -> None:
+        def pack() -> None:
             for m, forward in packed.items():
-                if on:
-                    m.forward = forward  # type: ignore[method-assign]
-                else:
-                    vars(m).pop("forward", None)
+                m.forward = forward  # type: ignore[method-assign]
 
-        def plain_steps() -> None:
-            use(False)
-            steps()
+        def unpack() -> None:
+            for m in packed:
+                vars(m).pop("forward", None)
 
-        def packed_steps() -> None:
-            use(True)
-            steps()
+        return {"step": after(unpack), "packed-weights": after(pack)}
+    if args.versus == "opaque-attention":
+        model = engine.model
+        graph = model.compiled_one_stream
+        if graph is None:
+            raise SystemExit("--versus opaque-attention needs --compile-model (and a cache in the model dtype)")
 
-        sides = {"step": plain_steps, "packed_step": packed_steps}
-    return sides
+        def use_graph() -> None:
+            model.compiled_one_stream = graph
+
+        def drop_graph() -> None:
+            model.compiled_one_stream = None
+
+        return {"step": after(use_graph), "opaque-attention": after(drop_graph)}
+    return {"step": steps}
 
 
 if __name__ == "__main__":

@@ -88,16 +88,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     return ctx.backend.forward(q, k, v, ctx.kv_caches[layer], ctx.meta, scale)
 
 
-@torch.library.custom_op("pagoda::write_kv", mutates_args=("k_cache", "v_cache"))
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
-    """Writes k, v (T, Hkv, D) to the caches (num_blocks, block_size, Hkv, D) at slot (T,), in place.
-
-    An opaque op so that inductor writes the caches where they are: as an `index_copy_` in the graph,
-    inductor copied a whole layer's cache (70 MB) each step when it fused the write with a read."""
+def _write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
     hkv, d = k.shape[1:]
     k_cache.view(-1, hkv, d).index_copy_(0, slot, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slot, v.to(v_cache.dtype))
+
+
+# pagoda::write_kv(k_cache, v_cache, slot, k, v): writes k, v (T, Hkv, D) to the caches (num_blocks,
+# block_size, Hkv, D) at slot (T,), in place. An opaque op so that inductor writes the caches where they
+# are: as an `index_copy_` in the graph, inductor copied a whole layer's cache (70 MB) each step when it
+# fused the write with a read. Defined with torch.library.Library rather than custom_op: the call costs
+# about half as much (~5 us against ~11 us per call on this project's CPU), and it is made 30 times a step.
+_lib = torch.library.Library("pagoda", "FRAGMENT")
+_lib.define("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot, Tensor k, Tensor v) -> ()")
+_lib.impl("write_kv", _write_kv, "CompositeExplicitAutograd")
+torch.library.register_fake("pagoda::write_kv", lambda k_cache, v_cache, slot, k, v: None, lib=_lib)
+write_kv = torch.ops.pagoda.write_kv.default
 
 
 @paged_attention.register_fake

@@ -54,3 +54,17 @@ def test_sampler_bench_times_both_searches(capsys: pytest.CaptureFixture[str],
     rows = run_module(main, ["--rows", "4", "--vocab", "1000", "--iters", "1"], capsys, monkeypatch)
     assert len(rows) == 1 and rows[0]["rows"] == 4 and rows[0]["keeps_freed_memory"] is False
     assert all(rows[0][k] > 0 for k in ("sampler_ms", "two_level_search_ms", "full_float64_cumsum_search_ms"))
+
+
+@pytest.mark.parametrize("versus", ["weights-read", "packed-weights"])
+def test_decode_step_alternates_with_its_counterpart(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch, versus: str) -> None:
+    """decode_step --versus: both sides timed in alternating rounds, on the default model."""
+    from pagoda.bench.decode_step import main
+
+    argv = ["--num-seqs", "4", "--input-len", "8:20", "--steps", "2", "--rounds", "2", "--versus", versus,
+            "--kv-cache-memory", "64MiB"]
+    (row,) = run_module(main, argv, capsys, monkeypatch)
+    assert row["rounds"] == 2 and row["versus"] == versus
+    assert row["decode_step_ms"] > 0 and row["versus_ms"] > 0
+    assert row["step_over_versus"] == pytest.approx(row["decode_step_ms"] / row["versus_ms"], rel=0.05)
