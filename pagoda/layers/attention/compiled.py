@@ -41,9 +41,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     inside its loops, and the weighted sum over V is taken per block first (partial sums of
     (B, n, Hkv, G, D)), so that each block is read once, whole, while it sits in cache. Summing over
     all positions at once made inductor walk every V row once per (head, 16 lanes of D): 2x slower.
-    Scores are laid out (B, n, Hkv, G, block_size), the block's tokens innermost: 1.14-1.28x faster
-    for 128 sequences than with the tokens before the heads (B, n, block_size, Hkv, G), measured with
-    `python -m pagoda.bench.decode_attention` (BENCHMARKS.md).
+    Scores are laid out (B, n, Hkv, G, block_size), the block's tokens innermost: 1.08-1.56x faster for
+    128 sequences (about the same for 1-32) than with the tokens before the heads (B, n, block_size,
+    Hkv, G), measured with `python -m pagoda.bench.decode_attention` (BENCHMARKS.md).
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
