@@ -189,22 +189,18 @@ class LlamaForCausalLM(nn.Module):
         return self._forward(input_ids, positions, kv_caches, meta)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv_caches: list[PagedKVCache] | None = None, meta: AttentionMetadata | None = None) -> torch.Tensor:
+                 kv_caches: list[PagedKVCache] | None = None, meta: AttentionMetadata | None = None,
+                 one_stream: OneStreamDecode | None = None) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary.cos_sin(positions)  # once per step, shared by every layer
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_caches[i] if kv_caches is not None else None, meta)
+            x = layer(x, cos, sin, kv_caches[i] if kv_caches is not None else None, meta, one_stream)
         return self.model.norm(x)
 
     def _forward_one_stream(self, input_ids: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
                             block_table: torch.Tensor, seq_len: torch.Tensor) -> torch.Tensor:
         """One sequence's decode step with its attention inside the graph (compile_one_stream_decode)."""
-        one_stream = OneStreamDecode(slot, block_table, seq_len)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary.cos_sin(positions)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, None, None, one_stream)
-        return self.model.norm(x)
+        return self._forward(input_ids, positions, one_stream=OneStreamDecode(slot, block_table, seq_len))
 
     def enable_compiled_forward(self, kv_caches: list[PagedKVCache]) -> float:
         """Compiles the forward pass (pagoda/model/compiled_forward.py), and, for a cache stored in the
