@@ -15,14 +15,15 @@ it writes to the cache are not graph values, so the graph cannot reorder anythin
 The number of tokens in a step is a dynamic dimension: torch.compile makes one graph for a single
 token (a size of 1 is specialised) and one for any other count, both at start-up (`warmup`).
 
-One stream decoding is the case where the opaque op costs most relative to the work: ~100 us of
-Python and small ops per layer around a 16-150-token attention. So a step whose only work is one
-sequence's decode runs a third graph (`compile_one_stream_decode`) with attention inside it: the
-caches are the attention modules' buffers, the new K/V go in through `pagoda::write_kv` (in place,
-opaque to inductor), and attention is `paged_decode_attention` over the block table, which inductor
-fuses into a loop. Its inputs are the slot, the block table and the context length
-(`one_stream_decode_inputs`); the table's width is dynamic (at least 2: a masked padding block keeps
-torch from specialising on 1). Measured in BENCHMARKS.md: 1.15x on one stream's step.
+One stream decoding is the case where the opaque op costs most relative to the work: its Python and
+small ops cost ~180 us a layer more than the same 16-150-token attention inside the graph. So a step
+whose only work is one sequence's decode runs a third graph (`compile_one_stream_decode`) with
+attention inside it: the caches are the attention modules' buffers, the new K/V go in through
+`pagoda::write_kv` (in place, opaque to inductor), and attention is `paged_decode_attention` over the
+block table, which inductor fuses into a loop. Its inputs are the slot, the block table and the
+context length (`one_stream_decode_inputs`); the table's width is dynamic (at least 2: a masked
+padding block keeps torch from specialising on 1). Measured in BENCHMARKS.md: 1.15x on one stream's
+step.
 """
 
 from __future__ import annotations

@@ -95,6 +95,10 @@ def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype) -
     scale_shape = spec.scale_shape(plan.num_blocks, plan.block_size, arch.num_kv_heads)
     # One tensor each, not views of one buffer: a compiled graph that writes into caches aliasing one
     # base (--compile-model's one-stream decode) would copy the whole base on every call.
-    return [PagedKVCache(_zeros(shape, spec.storage_dtype), _zeros(shape, spec.storage_dtype), spec,
-                         *((_zeros(scale_shape, SCALE_DTYPE), _zeros(scale_shape, SCALE_DTYPE)) if scale_shape else ()))
-            for _ in range(arch.num_layers)]
+    def layer() -> PagedKVCache:
+        k, v = _zeros(shape, spec.storage_dtype), _zeros(shape, spec.storage_dtype)
+        if scale_shape is None:
+            return PagedKVCache(k, v, spec)
+        return PagedKVCache(k, v, spec, _zeros(scale_shape, SCALE_DTYPE), _zeros(scale_shape, SCALE_DTYPE))
+
+    return [layer() for _ in range(arch.num_layers)]
