@@ -22,7 +22,7 @@ import torch
 from pagoda.bench.common import machine_info, parse_range
 from pagoda.config import DTYPES
 from pagoda.layers.attention.backend import DecodeGroup, get_attention_backend
-from pagoda.layers.attention.paged_kv import PagedKVCache
+from pagoda.layers.attention.paged_kv import PagedKVCache, k_cache_layout
 from pagoda.layers.kv_quant import KVCacheSpec
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--num-seqs", type=int, default=128)
     p.add_argument("--context", type=parse_range, default=(300, 380), help="context tokens per sequence MIN:MAX")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--backends", default="sdpa,compiled")
+    p.add_argument("--backends", default="sdpa,compiled,cpp")
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args()
     dtype, bs, hq, hkv, d = DTYPES[args.dtype], 16, 9, 3, 64
@@ -39,7 +39,7 @@ def main() -> None:
     lens = torch.randint(args.context[0], args.context[1] + 1, (args.num_seqs,), generator=g)
     width = int(-(-lens.max() // bs))
     num_blocks = 2 * args.num_seqs * width
-    cache = PagedKVCache(torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype),
+    cache = PagedKVCache(k_cache_layout(torch.randn(num_blocks, hkv, d, bs, generator=g).to(dtype)),
                          torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype), KVCacheSpec(dtype))
     tables = torch.randperm(num_blocks, generator=g)[: args.num_seqs * width].view(args.num_seqs, width)
     group = DecodeGroup(rows=torch.arange(args.num_seqs), block_tables=tables, seq_lens=lens)

@@ -138,12 +138,18 @@ def quantize_rows(x: torch.Tensor, storage_dtype: torch.dtype) -> tuple[torch.Te
 
 # ---- writes into a paged cache ------------------------------------------------------------
 
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """cache (num_blocks, block_size, ...) of any strides; x (T, ...) goes to slots (T,) = block * block_size +
+    offset."""
+    block_size = cache.shape[1]
+    cache[slots // block_size, slots % block_size] = x
+
+
 def write_token_scaled(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """data (num_blocks, bs, H, D), scale (num_blocks, bs, H); x (T, H, D) goes to slots (T,)."""
-    h, d = x.shape[1:]
     q, s = quantize_rows(x, data.dtype)
-    data.view(-1, h, d)[slots] = q
-    scale.view(-1, h)[slots] = s
+    write_slots(data, slots, q)
+    write_slots(scale, slots, s)
 
 
 def write_block_scaled(data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -153,7 +159,7 @@ def write_block_scaled(data: torch.Tensor, scale: torch.Tensor, slots: torch.Ten
     re-quantized to the new scale. A block written from offset 0 starts afresh (it may have been
     freed and reused, and its old scale must not carry over).
     """
-    bs, h, d = data.shape[1:]
+    bs, h = data.shape[1:3]
     blocks, offsets = slots // bs, slots % bs
     fresh = blocks[offsets == 0]
     scale[fresh], data[fresh] = 0, 0  # stale contents must not meet the re-quantization below
@@ -169,4 +175,4 @@ def write_block_scaled(data: torch.Tensor, scale: torch.Tensor, slots: torch.Ten
         values = dequantize(data[ids], old[grew][:, None, :, None], torch.float32)
         data[ids] = quantize(values, new[grew][:, None, :, None], data.dtype)
     scale[touched] = new
-    data.view(-1, h, d)[slots] = quantize(x, new[inverse].unsqueeze(-1), data.dtype)
+    write_slots(data, slots, quantize(x, new[inverse].unsqueeze(-1), data.dtype))

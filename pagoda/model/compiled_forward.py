@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.layers.attention import AttentionBackend, AttentionMetadata, PagedKVCache
+from pagoda.layers.kv_quant import write_slots
 
 
 @dataclass
@@ -92,9 +93,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
 
 def _write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
-    hkv, d = k.shape[1:]
-    k_cache.view(-1, hkv, d).index_copy_(0, slot, k.to(k_cache.dtype))
-    v_cache.view(-1, hkv, d).index_copy_(0, slot, v.to(v_cache.dtype))
+    write_slots(k_cache, slot, k.to(k_cache.dtype))
+    write_slots(v_cache, slot, v.to(v_cache.dtype))
 
 
 # pagoda::write_kv(k_cache, v_cache, slot, k, v): writes k, v (T, Hkv, D) to the caches (num_blocks,

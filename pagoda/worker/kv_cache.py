@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pagoda.layers.attention import PagedKVCache
+from pagoda.layers.attention.paged_kv import k_cache_layout
 from pagoda.layers.kv_quant import SCALE_DTYPE, KVCacheSpec, kv_cache_spec
 from pagoda.model.llama import ArchConfig
 
@@ -84,7 +85,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype) -> list[PagedKVCache]:
     """Per layer K and V, each (num_blocks, block_size, num_kv_heads, head_dim) in the plan's storage
-    dtype, plus their scales when quantized; all zeroed.
+    dtype, plus their scales when quantized; all zeroed. K is stored with each block's tokens innermost
+    (`k_cache_layout`, for the C++ decode kernel); both are indexed the same way.
 
     Zeroed, not empty: padded decode gathers read unused slots, and garbage could hold NaNs (a zero
     scale dequantizes to zeros too). dtype is the model's; with kv_cache_dtype "auto" it is the storage.
@@ -96,7 +98,9 @@ def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype) -
     # One tensor each, not views of one buffer: a compiled graph that writes into caches aliasing one
     # base (--compile-model's one-stream decode) would copy the whole base on every call.
     def layer() -> PagedKVCache:
-        k, v = _zeros(shape, spec.storage_dtype), _zeros(shape, spec.storage_dtype)
+        k = k_cache_layout(_zeros((plan.num_blocks, arch.num_kv_heads, arch.head_dim, plan.block_size),
+                                  spec.storage_dtype))
+        v = _zeros(shape, spec.storage_dtype)
         if scale_shape is None:
             return PagedKVCache(k, v, spec)
         return PagedKVCache(k, v, spec, _zeros(scale_shape, SCALE_DTYPE), _zeros(scale_shape, SCALE_DTYPE))

@@ -1,4 +1,4 @@
-"""The fused SDPA and the compiled paged backends against the plain torch reference: same outputs on
+"""The fused SDPA, C++ and compiled paged backends against the plain torch reference: same outputs on
 mixed steps (fresh prompts, prompt chunks continuing earlier ones, decodes, one-block and one-sequence
 decode groups), for plain and quantized caches."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pagoda.layers.attention.backend import PagedAttentionBackend
-from pagoda.layers.attention.compiled import CompiledAttentionBackend
+from pagoda.layers.attention.compiled import CompiledAttentionBackend, paged_decode_attention
+from pagoda.layers.attention.cpp import CppAttentionBackend, paged_decode, supports
 from pagoda.layers.attention.sdpa import SDPAAttentionBackend
 from pagoda.layers.kv_quant import KVCacheSpec
 from tests.layers.test_kv_quant import run_steps
@@ -26,6 +27,62 @@ def test_backend_matches_reference(backend: type[PagedAttentionBackend], dtype: 
     for r, o in zip(ref, got, strict=True):
         assert o.shape == r.shape and o.dtype == r.dtype
         torch.testing.assert_close(o, r, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("storage", ["model", "int8 token", "int8 block", "fp8 token", "fp8 block"])
+def test_cpp_backend_matches_reference(dtype: torch.dtype, tol: float, storage: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 16 (the kernel's multiple): decodes of 1-32 tokens of context, one or two blocks, each
+    block a span of its own (few sequences), so the spans' merge is exercised too."""
+    import pagoda.layers.attention.cpp as cpp
+
+    calls = []
+    monkeypatch.setattr(cpp, "paged_decode", lambda *a: calls.append(1) or paged_decode(*a))
+    storage_dtype = {"model": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[storage.split()[0]]
+    spec = KVCacheSpec(dtype) if storage == "model" else KVCacheSpec(storage_dtype, storage.split()[1])
+    backend = CppAttentionBackend()
+    ref = run_steps(spec, dtype, bs=16)
+    got = run_steps(spec, dtype, backend=backend, bs=16)
+    assert not backend.fallback and len(calls) == 4  # every step with decodes went through the kernel
+    for r, o in zip(ref, got, strict=True):
+        assert o.shape == r.shape and o.dtype == r.dtype
+        torch.testing.assert_close(o, r, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 40])
+def test_cpp_kernel_on_long_scattered_contexts(num_seqs: int) -> None:
+    """Contexts of 1-700 tokens in blocks scattered through the cache, a table padded past each sequence's
+    blocks with garbage block ids that must not be read, against the float64 reference."""
+    from tests.layers.test_kv_quant import make_cache
+
+    g = torch.Generator().manual_seed(num_seqs)
+    cache = make_cache(KVCacheSpec(torch.float32), num_blocks=2000, block_size=16, hkv=3, d=64)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    lens = torch.randint(1, 700, (num_seqs,), generator=g)
+    lens[0] = 700
+    tables = torch.randperm(2000, generator=g)[: num_seqs * 44].view(num_seqs, 44)
+    q = torch.randn(num_seqs, 9, 64, generator=g)
+    got = paged_decode(q, cache, tables, lens, 0.125)
+    want = paged_decode_attention(q.double(), cache.k.double(), cache.v.double(), None, None, tables, lens, 0.125)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_cpp_backend_falls_back_to_sdpa_where_the_kernel_does_not_apply() -> None:
+    from tests.layers.test_kv_quant import make_cache
+
+    assert not supports(make_cache(KVCacheSpec(torch.float32), block_size=4, d=64), torch.float32)  # blocks of 4
+    assert not supports(make_cache(KVCacheSpec(torch.float32), block_size=16, d=8), torch.float32)  # head_dim 8
+    assert not supports(make_cache(KVCacheSpec(torch.float64), block_size=16, d=64), torch.float64)
+    plain = make_cache(KVCacheSpec(torch.float32), block_size=16, d=64)
+    assert supports(plain, torch.float32)
+    contiguous_k = type(plain)(plain.k.contiguous(), plain.v, plain.spec)  # not the engine's K layout
+    assert not supports(contiguous_k, torch.float32)
+    ref = run_steps(KVCacheSpec(torch.float32), torch.float32)  # blocks of 4: SDPA's path
+    got = run_steps(KVCacheSpec(torch.float32), torch.float32, backend=CppAttentionBackend())
+    for r, o in zip(ref, got, strict=True):
+        torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_groups_cover_every_decode_once_with_bounded_padding() -> None:
@@ -88,13 +145,16 @@ def test_compiled_backend_compiles_once_at_start_up(tmp_path: object, monkeypatc
 def test_auto_backend_is_chosen_by_dtype() -> None:
     from pagoda.layers.attention.backend import get_attention_backend, resolve_attention_backend
 
-    assert resolve_attention_backend("auto", torch.float32) == "compiled"
+    assert resolve_attention_backend("auto", torch.float32) == "cpp"
+    assert resolve_attention_backend("auto", torch.bfloat16) == "cpp"
     assert resolve_attention_backend("auto", torch.float64) == "compiled"
-    assert resolve_attention_backend("auto", torch.bfloat16) == "sdpa"
     assert resolve_attention_backend("torch", torch.float32) == "torch"
     auto = get_attention_backend("auto", torch.float32)
-    assert isinstance(auto, CompiledAttentionBackend) and not auto.strict  # falls back to sdpa if it cannot compile
+    assert isinstance(auto, CppAttentionBackend) and not auto.strict  # falls back to sdpa if it cannot compile
+    auto64 = get_attention_backend("auto", torch.float64)
+    assert isinstance(auto64, CompiledAttentionBackend) and not auto64.strict
     assert get_attention_backend("compiled").strict  # asked for by name: failing to compile is an error
+    assert get_attention_backend("cpp").strict
     with pytest.raises(ValueError, match="attention backend must be one of"):
         get_attention_backend("flash")
 
@@ -113,6 +173,22 @@ def test_auto_falls_back_to_sdpa_when_compilation_fails(monkeypatch: pytest.Monk
     assert auto.fallback and auto.name == "sdpa"
     with pytest.raises(RuntimeError, match="could not compile"):
         CompiledAttentionBackend(strict=True).warmup(cache, 4, torch.float32, 0.5)
+
+
+def test_cpp_backend_falls_back_to_sdpa_when_compilation_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pagoda.layers.attention.cpp as cpp
+    from tests.layers.test_kv_quant import make_cache
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpp, "_library", broken)
+    cache = make_cache(KVCacheSpec(torch.float32), num_blocks=4, block_size=16, hkv=2, d=64)
+    auto = CppAttentionBackend(strict=False)
+    auto.warmup(cache, 4, torch.float32, 0.5)
+    assert auto.fallback and auto.name == "sdpa"
+    with pytest.raises(RuntimeError, match="could not compile"):
+        CppAttentionBackend(strict=True).warmup(cache, 4, torch.float32, 0.5)
 
 
 def test_small_decode_groups_go_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:

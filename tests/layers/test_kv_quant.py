@@ -10,6 +10,7 @@ import torch
 
 from pagoda.layers.attention import AttentionMetadata, PagedKVCache
 from pagoda.layers.attention.backend import build_attention_metadata
+from pagoda.layers.attention.paged_kv import k_cache_layout
 from pagoda.layers.attention.torch_ref import TorchAttentionBackend
 from pagoda.layers.kv_quant import (
     QMAX,
@@ -86,11 +87,11 @@ def test_spec_names_and_errors() -> None:
 
 def make_cache(spec: KVCacheSpec, num_blocks: int = 16, block_size: int = 4, hkv: int = 2, d: int = 8
                ) -> PagedKVCache:
-    shape = (num_blocks, block_size, hkv, d)
+    """Laid out as the engine allocates it (K with the tokens innermost: `k_cache_layout`)."""
     scale_shape = spec.scale_shape(num_blocks, block_size, hkv)
     scales = [torch.zeros(scale_shape, dtype=SCALE_DTYPE) if scale_shape else None for _ in range(2)]
-    return PagedKVCache(torch.zeros(shape, dtype=spec.storage_dtype), torch.zeros(shape, dtype=spec.storage_dtype),
-                        spec, scales[0], scales[1])
+    k = k_cache_layout(torch.zeros((num_blocks, hkv, d, block_size), dtype=spec.storage_dtype))
+    return PagedKVCache(k, torch.zeros((num_blocks, block_size, hkv, d), dtype=spec.storage_dtype), spec, *scales)
 
 
 @pytest.mark.parametrize("storage", [INT8, FP8])
@@ -102,7 +103,7 @@ def test_token_scaled_write_quantizes_each_token_on_its_own(storage: torch.dtype
     assert cache.k_scale is not None
     write_token_scaled(cache.k, cache.k_scale, slots, x)
     q, s = quantize_rows(x, storage)
-    assert torch.equal(cache.k.view(-1, 2, 8)[slots].float(), q.float())
+    assert torch.equal(cache.k.reshape(-1, 2, 8)[slots].float(), q.float())
     assert torch.equal(cache.k_scale.view(-1, 2)[slots], s)
 
 
@@ -162,8 +163,9 @@ STEPS = [[(0, 0, 21), (1, 0, 16)], [(0, 21, 1), (1, 16, 13), (2, 0, 5)], [(0, 22
          [(0, 23, 1), (1, 30, 1), (2, 6, 9)], [(0, 24, 1), (1, 31, 1), (2, 15, 1)]]
 
 
-def run_steps(spec: KVCacheSpec, dtype: torch.dtype, seed: int = 0, backend: Any = None) -> list[torch.Tensor]:
-    hq, hkv, d, bs = 8, 2, 64, 4
+def run_steps(spec: KVCacheSpec, dtype: torch.dtype, seed: int = 0, backend: Any = None, bs: int = 4
+              ) -> list[torch.Tensor]:
+    hq, hkv, d = 8, 2, 64
     g = torch.Generator().manual_seed(seed)
     cache = make_cache(spec, num_blocks=40, block_size=bs, hkv=hkv, d=d)
     # Non-contiguous, shuffled blocks per sequence.

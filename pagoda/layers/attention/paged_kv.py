@@ -2,6 +2,12 @@
 
 Stored in the model dtype, or quantized (int8 / fp8 with float16 scales, see `pagoda.layers.kv_quant`):
 quantized on write, dequantized on gather, so a backend never sees the storage format unless it wants to.
+
+K and V are indexed alike, (num_blocks, block_size, Hkv, D), but K is stored with each block's tokens
+innermost: physically (num_blocks, Hkv, D, block_size), `k` being a permuted view (`k_cache_layout`).
+The C++ decode kernel (`cpp_kernel.cpp`) takes a block's scores as one vector over its tokens that way;
+torch code sees the logical shape and never depends on the storage order (writes go through
+`write_slots`, which works on any strides).
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.layers.kv_quant import KVCacheSpec, dequantize, write_block_scaled, write_token_scaled
+from pagoda.layers.kv_quant import KVCacheSpec, dequantize, write_block_scaled, write_slots, write_token_scaled
 
 
 @dataclass
@@ -28,10 +34,9 @@ class PagedKVCache:
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (T, Hkv, D) go to slot_mapping (T,) = block_id * block_size + offset."""
-        hkv, d = k.shape[1:]
         if self.k_scale is None or self.v_scale is None:
-            self.k.view(-1, hkv, d)[slot_mapping] = k.to(self.k.dtype)
-            self.v.view(-1, hkv, d)[slot_mapping] = v.to(self.v.dtype)
+            write_slots(self.k, slot_mapping, k.to(self.k.dtype))
+            write_slots(self.v, slot_mapping, v.to(self.v.dtype))
             return
         write = write_token_scaled if self.spec.scale_granularity == "token" else write_block_scaled
         write(self.k, self.k_scale, slot_mapping, k)
@@ -56,6 +61,16 @@ class PagedKVCache:
         for t in (self.k, self.v, self.k_scale, self.v_scale):
             if t is not None:
                 t[dst] = t[src]
+
+
+def k_cache_layout(storage: torch.Tensor) -> torch.Tensor:
+    """A K cache stored (num_blocks, Hkv, D, block_size) as its logical view (num_blocks, block_size, Hkv, D)."""
+    return storage.permute(0, 3, 1, 2)
+
+
+def is_k_cache_layout(k: torch.Tensor) -> bool:
+    """Whether k is laid out as `k_cache_layout` makes it (what the C++ kernel reads)."""
+    return k.permute(0, 2, 3, 1).is_contiguous()
 
 
 def _take(data: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,261 @@
+// Paged decode attention for CPUs: one query token per sequence against its context in the paged cache.
+//
+// Compiled at start-up by pagoda/layers/attention/cpp.py through inductor's C++ code cache (the compiler,
+// ISA flags, OpenMP runtime and on-disk cache torch.compile uses for its own kernels). The cache layout,
+// head shapes and storage format are compile-time constants, #defined ahead of this file:
+//   PAGODA_HKV, PAGODA_G (query heads per KV head), PAGODA_D (head_dim), PAGODA_BS (block_size),
+//   PAGODA_ELEM: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 fp8 through a 256-entry table,
+//   PAGODA_SCALES: 0 none, 1 a float16 scale per (token, KV head), 2 per (block, KV head).
+//
+// Why a kernel of our own: decode attention reads every context token's K and V once per layer and
+// does ~2 FLOPs per byte, so it should run at memory bandwidth. SDPA first gathers the blocks into a
+// contiguous copy (three passes over the context); inductor's kernel for the same plain-torch code
+// reached ~6 GB/s. Here each work item is (sequence, span of blocks): it walks its blocks in table
+// order, reads each block whole and contiguously (all KV heads of a token are adjacent), converts a
+// token's row to float32 once, and keeps a running (online) softmax per query head, so K and V are
+// read exactly once and nothing is written but the output. Spans of one sequence are merged at the end.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+constexpr int64_t HKV = PAGODA_HKV, G = PAGODA_G, HQ = HKV * G, D = PAGODA_D, BS = PAGODA_BS;
+
+// 16 float32 lanes: one AVX-512 register (two AVX2 ones). GCC's vector extension keeps the kernel's
+// accumulators in registers, where arrays indexed in loops would live on the stack.
+constexpr int64_t L = 16;
+typedef float vf __attribute__((vector_size(L * 4)));
+static_assert(BS % L == 0 && D % L == 0, "the kernel takes block_size and head_dim in multiples of 16");
+constexpr int64_t NT = BS / L, ND = D / L;
+
+// Sixteen consecutive cache elements as float32.
+#if PAGODA_ELEM == 0
+using elem_t = float;
+static inline vf load16(const elem_t* p, const float*) {
+  vf r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+#elif PAGODA_ELEM == 1
+using elem_t = uint16_t;  // bfloat16: the high half of a float32
+typedef uint16_t vu16 __attribute__((vector_size(L * 2)));
+typedef uint32_t vu32 __attribute__((vector_size(L * 4)));
+static inline vf load16(const elem_t* p, const float*) {
+  vu16 x;
+  std::memcpy(&x, p, sizeof(x));
+  vu32 u = __builtin_convertvector(x, vu32) << 16;
+  vf r;
+  std::memcpy(&r, &u, sizeof(r));
+  return r;
+}
+#elif PAGODA_ELEM == 2
+using elem_t = _Float16;
+typedef _Float16 vf16 __attribute__((vector_size(L * 2)));
+static inline vf load16(const elem_t* p, const float*) {
+  vf16 x;
+  std::memcpy(&x, p, sizeof(x));
+  return __builtin_convertvector(x, vf);
+}
+#elif PAGODA_ELEM == 3
+using elem_t = int8_t;
+typedef int8_t vi8 __attribute__((vector_size(L)));
+static inline vf load16(const elem_t* p, const float*) {
+  vi8 x;
+  std::memcpy(&x, p, sizeof(x));
+  return __builtin_convertvector(x, vf);
+}
+#elif PAGODA_ELEM == 4
+using elem_t = uint8_t;  // fp8 (e4m3): decoded through a table of its 256 values
+static inline vf load16(const elem_t* p, const float* table) {
+  vf r;
+  for (int64_t i = 0; i < L; ++i) r[i] = table[p[i]];
+  return r;
+}
+#endif
+
+// 2^x for x <= 0 (scores minus their running maximum, in log2 units), lane by lane: 2^n through the
+// exponent bits, 2^f for f = x - n in [-0.5, 0.5] by its Taylor series to degree 7 (truncation error
+// below 1e-8, under float32 rounding). Below -126 it returns 2^-126, not 0: callers zero masked lanes.
+typedef int32_t vi32 __attribute__((vector_size(L * 4)));
+static inline vf exp2_neg(vf x) {
+  x = x < -126.0f ? vf{} - 126.0f : x;
+  const vf n = (x + 12582912.0f) - 12582912.0f;  // x rounded to an integer (1.5 * 2^23 trick)
+  const vf f = (x - n) * 0.6931471805599453f;     // 2^(x - n) = e^f
+  vf p = vf{} + 1.9841269841269841e-4f;
+  p = p * f + 1.3888888888888889e-3f;
+  p = p * f + 8.3333333333333333e-3f;
+  p = p * f + 4.1666666666666667e-2f;
+  p = p * f + 1.6666666666666667e-1f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const vi32 bits = (__builtin_convertvector(n, vi32) + 127) << 23;
+  vf two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+static inline float exp2_neg(float x) { return exp2_neg(vf{} + x)[0]; }
+
+// Attend one span of blocks [j0, j1) of one sequence: running max m, sum l and unnormalized output acc
+// for each query head. q is pre-scaled by softmax_scale * log2(e), so scores are in log2 units.
+//
+// K blocks are stored transposed, (HKV, D, BS) per block, the block's tokens innermost: the scores of
+// the BS tokens of a block are BS lanes of one vector, accumulated over d with the G query heads of a
+// KV head sharing each load (no horizontal sums). V blocks are (BS, HKV, D): each query head's output
+// (D lanes) stays in registers while the block's tokens are added in. Scales multiply the scores (K)
+// and the softmax weights (V), never the elements.
+static void attend_span(const float* q, const elem_t* k, const elem_t* v, const uint16_t* ks, const uint16_t* vs,
+                        const float* table, const int64_t* blocks, int64_t j0, int64_t j1, int64_t seq_len,
+                        float* m, float* l, float* acc) {
+  alignas(64) float s[HQ][BS];  // one block's scores, then its softmax weights
+  for (int64_t h = 0; h < HQ; ++h) {
+    m[h] = -std::numeric_limits<float>::infinity();
+    l[h] = 0.0f;
+    for (int64_t d = 0; d < D; ++d) acc[h * D + d] = 0.0f;
+  }
+  [[maybe_unused]] const _Float16* kscale = reinterpret_cast<const _Float16*>(ks);
+  [[maybe_unused]] const _Float16* vscale = reinterpret_cast<const _Float16*>(vs);
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t block = blocks[j];
+    const int64_t nt = std::min<int64_t>(BS, seq_len - j * BS);
+    for (int64_t h = 0; h < HKV; ++h) {
+      const elem_t* kb = k + (block * HKV + h) * D * BS;
+      vf sg[G][NT] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        vf kd[NT];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < NT; ++c) kd[c] = load16(kb + d * BS + c * L, table);
+#pragma GCC unroll 16
+        for (int64_t g = 0; g < G; ++g) {
+          const float qv = q[(h * G + g) * D + d];
+#pragma GCC unroll 16
+          for (int64_t c = 0; c < NT; ++c) sg[g][c] += qv * kd[c];
+        }
+      }
+#pragma GCC unroll 16
+      for (int64_t g = 0; g < G; ++g) {
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < NT; ++c) {
+#if PAGODA_SCALES == 1
+          vf sc;
+          for (int64_t i = 0; i < L; ++i) sc[i] = float(kscale[(block * BS + c * L + i) * HKV + h]);
+          sg[g][c] *= sc;
+#elif PAGODA_SCALES == 2
+          sg[g][c] *= float(kscale[block * HKV + h]);
+#endif
+          std::memcpy(&s[h * G + g][c * L], &sg[g][c], sizeof(vf));
+        }
+      }
+    }
+    vi32 lane;
+    for (int64_t i = 0; i < L; ++i) lane[i] = int32_t(i);
+    for (int64_t h = 0; h < HQ; ++h) {
+      vf sv[NT];
+      std::memcpy(sv, s[h], sizeof(sv));
+      vf vmax = vf{} - std::numeric_limits<float>::infinity();
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < NT; ++c) {
+        if (nt < BS) sv[c] = lane + int32_t(c * L) < int32_t(nt) ? sv[c] : vf{} - std::numeric_limits<float>::infinity();
+        vmax = vmax > sv[c] ? vmax : sv[c];
+      }
+      float mx = m[h];
+      for (int64_t i = 0; i < L; ++i) mx = std::max(mx, vmax[i]);
+      const float correction = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : exp2_neg(m[h] - mx);
+      m[h] = mx;
+      vf vsum = {};
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < NT; ++c) {
+        vf p = exp2_neg(sv[c] - mx);
+        if (nt < BS) p = lane + int32_t(c * L) < int32_t(nt) ? p : vf{};
+        vsum += p;
+        std::memcpy(&s[h][c * L], &p, sizeof(p));
+      }
+      float sum = 0.0f;
+      for (int64_t i = 0; i < L; ++i) sum += vsum[i];
+      l[h] = l[h] * correction + sum;
+      if (correction != 1.0f) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= correction;
+      }
+    }
+    for (int64_t h = 0; h < HKV; ++h) {
+      vf a[G][ND];
+      std::memcpy(a, acc + h * G * D, sizeof(a));
+      for (int64_t t = 0; t < nt; ++t) {
+        const elem_t* vr = v + ((block * BS + t) * HKV + h) * D;
+#if PAGODA_SCALES == 1
+        const float sc = float(vscale[(block * BS + t) * HKV + h]);
+#elif PAGODA_SCALES == 2
+        const float sc = float(vscale[block * HKV + h]);
+#else
+        const float sc = 1.0f;
+#endif
+        vf vd[ND];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < ND; ++c) vd[c] = load16(vr + c * L, table);
+#pragma GCC unroll 16
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = s[h * G + g][t] * sc;
+#pragma GCC unroll 16
+          for (int64_t c = 0; c < ND; ++c) a[g][c] += w * vd[c];
+        }
+      }
+      std::memcpy(acc + h * G * D, a, sizeof(a));
+    }
+  }
+}
+
+// q (B, HQ, D) float32; k cache (num_blocks, HKV, D, BS), v cache (num_blocks, BS, HKV, D); scales as described above or null; table: fp8
+// decoding table or null; block_tables (B, W) int64; seq_lens (B,) int64 (each >= 1); out (B, HQ, D)
+// float32. Sequences are cut into spans of span_blocks blocks (the caller picks it so that there are
+// enough work items for the threads); work (B, ceil(W / span_blocks), HQ, D + 2) float32 holds spans'
+// partial results. qscale = softmax scale.
+extern "C" void pagoda_paged_decode(const float* q_in, const elem_t* k, const elem_t* v, const uint16_t* ks,
+                                    const uint16_t* vs, const float* table, const int64_t* block_tables,
+                                    const int64_t* seq_lens, float* out, float* work, int64_t B, int64_t W,
+                                    int64_t span_blocks, float qscale) {
+  const int64_t spans = (W + span_blocks - 1) / span_blocks;
+  const float log2e = 1.4426950408889634f;
+  constexpr int64_t PART = HQ * (D + 2);  // one span's m, l and acc
+#pragma omp parallel
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < B * spans; ++item) {
+      const int64_t b = item / spans, p = item % spans;
+      const int64_t len = seq_lens[b];
+      const int64_t nblocks = (len + BS - 1) / BS;
+      const int64_t j0 = p * span_blocks, j1 = std::min(nblocks, j0 + span_blocks);
+      if (j0 >= j1) continue;
+      alignas(64) float q[HQ * D];
+      for (int64_t i = 0; i < HQ * D; ++i) q[i] = q_in[b * HQ * D + i] * (qscale * log2e);
+      float* part = work + item * PART;
+      attend_span(q, k, v, ks, vs, table, block_tables + b * W, j0, j1, len, part, part + HQ, part + 2 * HQ);
+    }
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t nspans = ((seq_lens[b] + BS - 1) / BS + span_blocks - 1) / span_blocks;
+      const float* parts = work + b * spans * PART;
+      for (int64_t h = 0; h < HQ; ++h) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < nspans; ++p) mx = std::max(mx, parts[p * PART + h]);
+        float total = 0.0f;
+        float* o = out + (b * HQ + h) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+        for (int64_t p = 0; p < nspans; ++p) {
+          const float* part = parts + p * PART;
+          const float w = exp2_neg(part[h] - mx);
+          total += w * part[HQ + h];
+          const float* a = part + 2 * HQ + h * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
+  }
+}
