@@ -27,6 +27,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.bench.common import parse_range
 from pagoda.config import ATTENTION_BACKENDS, DTYPES
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.layers.attention import AttentionBackend, get_attention_backend
 from pagoda.layers.linear import prepack_linears
 
 
@@ -97,6 +98,7 @@ VERSUS = {
     "packed-weights": "the same steps on oneDNN-packed linear weights (--prepack-weights); leave that flag out",
     "opaque-attention": "with --compile-model, the same steps without the one-stream graph (attention as the "
                         "opaque op)",
+    **{f"{name}-attention": f"the same steps with attention backend {name}" for name in ("sdpa", "compiled", "cpp")},
 }
 
 
@@ -153,6 +155,23 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
             model.compiled_one_stream = None
 
         return {"step": after(use_graph), "opaque-attention": after(drop_graph)}
+    if args.versus and args.versus.endswith("-attention"):
+        arch, caches = engine.arch, engine.runner.kv_caches
+        dtype = engine.config.model.torch_dtype
+        other = get_attention_backend(args.versus.removesuffix("-attention"), dtype)
+        other.warmup(caches[0], arch.num_heads, dtype, arch.head_dim**-0.5)
+        users = [m for m in engine.model.modules() if hasattr(m, "backend")]
+        mine = users[0].backend
+
+        def use(backend: AttentionBackend) -> Callable[[], None]:
+            def run() -> None:
+                for m in users:
+                    m.backend = backend
+                steps()
+
+            return run
+
+        return {"step": use(mine), args.versus: use(other)}
     return {"step": steps}
 
 
