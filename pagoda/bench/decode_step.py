@@ -18,6 +18,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -160,8 +161,8 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
         dtype = engine.config.model.torch_dtype
         other = get_attention_backend(args.versus.removesuffix("-attention"), dtype)
         other.warmup(caches[0], arch.num_heads, dtype, arch.head_dim**-0.5)
-        users = [m for m in engine.model.modules() if hasattr(m, "backend")]
-        mine = users[0].backend
+        users: list[Any] = [m for m in engine.model.modules() if hasattr(m, "backend")]  # the model, its layers
+        mine: AttentionBackend = users[0].backend
 
         def use(backend: AttentionBackend) -> Callable[[], None]:
             def run() -> None:

@@ -32,7 +32,7 @@ def test_decode_attention_times_each_backend(capsys: pytest.CaptureFixture[str],
     from pagoda.bench.decode_attention import main
 
     rows = run_module(main, ["--num-seqs", "3", "--context", "20:40", "--iters", "1"], capsys, monkeypatch)
-    assert [r["backend"] for r in rows] == ["sdpa", "compiled"]
+    assert [r["backend"] for r in rows] == ["sdpa", "compiled", "cpp"]
     assert all(r["ms_per_call"] > 0 and r["read_gb_per_s"] > 0 for r in rows)
     assert rows[0]["compile_s"] == 0 and rows[1]["compile_s"] > 0
 
@@ -68,3 +68,22 @@ def test_decode_step_alternates_with_its_counterpart(capsys: pytest.CaptureFixtu
     assert row["rounds"] == 2 and row["versus"] == versus
     assert row["decode_step_ms"] > 0 and row["versus_ms"] > 0
     assert row["step_over_versus"] == pytest.approx(row["decode_step_ms"] / row["versus_ms"], rel=0.05)
+
+
+def test_decode_step_versus_another_attention_backend(capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """--versus cpp-attention: the engine's sdpa steps alternate with steps whose decodes go through the C++
+    kernel (swapped in on every attention layer, then back)."""
+    import pagoda.layers.attention.cpp as cpp
+    from pagoda.bench.decode_step import main
+
+    calls: list[int] = []
+    kernel = cpp.paged_decode
+    monkeypatch.setattr(cpp, "paged_decode", lambda *a: calls.append(1) or kernel(*a))
+    argv = ["--num-seqs", "4", "--input-len", "8:20", "--steps", "2", "--rounds", "2", "--versus", "cpp-attention",
+            "--kv-cache-memory", "64MiB"]
+    (row,) = run_module(main, argv, capsys, monkeypatch)
+    assert row["attention_backend"] == "sdpa" and row["versus"] == "cpp-attention"
+    assert row["decode_step_ms"] > 0 and row["versus_ms"] > 0
+    # the warm-up call, then at least one decode group per layer of each of the cpp side's 2 x 2 steps
+    assert len(calls) >= 1 + 2 * 2 * 30 and (len(calls) - 1) % 30 == 0
