@@ -26,7 +26,7 @@ import pagoda.layers.attention.backend as attention_backend
 import pagoda.layers.attention.paged_kv as paged_kv
 from pagoda import LLM, SamplingParams
 from pagoda.bench.common import parse_range
-from pagoda.config import ATTENTION_BACKENDS, DTYPES
+from pagoda.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.layers.attention import AttentionBackend, get_attention_backend
 from pagoda.layers.linear import prepack_linears
@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--compile-model", action="store_true", help="torch.compile the forward pass")
     p.add_argument("--prepack-weights", action="store_true", help="oneDNN-packed linear weights")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (default: the engine's)")
     p.add_argument("--torch-profile", action="store_true",
                    help="also print torch.profiler's table of the timed steps' ops (self CPU time)")
@@ -61,7 +62,8 @@ def main() -> None:
     if args.no_grouping:
         attention_backend.DECODE_GROUP_PADDING = float("inf")
     engine = LLM(attention_backend=args.attention_backend, dtype=args.dtype, compile_model=args.compile_model,
-                 kv_cache_memory=args.kv_cache_memory, prepack_weights=args.prepack_weights).engine
+                 kv_cache_memory=args.kv_cache_memory, prepack_weights=args.prepack_weights,
+                 kv_cache_dtype=args.kv_cache_dtype).engine
     rng = random.Random(0)
     for i in range(args.num_seqs):
         prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(*args.input_len))]
@@ -88,7 +90,7 @@ def main() -> None:
     print(json.dumps({"num_seqs": args.num_seqs, "input_len": args.input_len, "gather": args.gather,
                       "grouping": not args.no_grouping, "attention_backend": args.attention_backend,
                       "dtype": args.dtype, "compile_model": args.compile_model,
-                      "prepack_weights": args.prepack_weights,
+                      "prepack_weights": args.prepack_weights, "kv_cache_dtype": args.kv_cache_dtype,
                       "startup_compile_s": round(engine.compile_seconds, 1),
                       "kv_cache_blocks": engine.limits.kv.num_blocks, "rounds": args.rounds,
                       "decode_step_ms": round(ms, 1), **extra}))

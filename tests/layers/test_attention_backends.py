@@ -207,3 +207,21 @@ def test_small_decode_groups_go_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None
                             seq_lens=torch.full((seqs,), 16 * blocks))
         backend.decode(torch.zeros(seqs, 4, 8), cache, group, 1.0)
     assert calls == ["sdpa", "sdpa", "kernel", "kernel"]
+
+
+@pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn])
+def test_cpp_kernel_decodes_every_8_bit_code(storage: torch.dtype) -> None:
+    """Each sequence has one token, so its output is that token's V row times its scale: all 256 int8 codes
+    and every finite e4m3 code (subnormals and both signs included) come back as torch decodes them."""
+    from tests.layers.test_kv_quant import make_cache
+
+    cache = make_cache(KVCacheSpec(storage, "block"), num_blocks=2, block_size=16, hkv=3, d=64)
+    codes = torch.arange(384, dtype=torch.int32).remainder(256).to(torch.uint8)
+    if storage == torch.float8_e4m3fn:
+        codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
+    cache.v[:, 0].view(torch.uint8).copy_(codes.view(2, 3, 64))
+    assert cache.v_scale is not None
+    cache.v_scale.fill_(1.0)
+    got = paged_decode(torch.randn(2, 9, 64), cache, torch.tensor([[0], [1]]), torch.tensor([1, 1]), 0.125)
+    want = cache.v[:, 0].float().repeat_interleave(3, dim=1)  # (2, 9, 64): each KV head's G query heads
+    assert torch.equal(got, want)
