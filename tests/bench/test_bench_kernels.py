@@ -37,6 +37,17 @@ def test_decode_attention_times_each_backend(capsys: pytest.CaptureFixture[str],
     assert rows[0]["compile_s"] == 0 and rows[1]["compile_s"] > 0
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_decode_attention_over_a_quantized_cache(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                                 kv: str) -> None:
+    from pagoda.bench.decode_attention import main
+
+    argv = ["--num-seqs", "3", "--context", "20:40", "--iters", "1", "--backends", "torch,cpp", "--kv-cache-dtype", kv]
+    rows = run_module(main, argv, capsys, monkeypatch)
+    assert [r["kv_cache"] for r in rows] == [f"{kv} per token"] * 2
+    assert all(r["ms_per_call"] > 0 and r["read_gb_per_s"] > 0 for r in rows)
+
+
 def test_linear_stream_compares_equal_results(capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The script checks that oneDNN's packed weights give F.linear's results before timing them."""
