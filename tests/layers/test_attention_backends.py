@@ -225,3 +225,18 @@ def test_cpp_kernel_decodes_every_8_bit_code(storage: torch.dtype) -> None:
     got = paged_decode(torch.randn(2, 9, 64), cache, torch.tensor([[0], [1]]), torch.tensor([1, 1]), 0.125)
     want = cache.v[:, 0].float().repeat_interleave(3, dim=1)  # (2, 9, 64): each KV head's G query heads
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_write_matches_torch_write(dtype: torch.dtype) -> None:
+    """The C++ writer puts every element where PagedKVCache.write (torch indexing) puts it."""
+    from pagoda.layers.attention.cpp import write_kv
+    from tests.layers.test_kv_quant import make_cache
+
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = (make_cache(KVCacheSpec(dtype), num_blocks=10, block_size=16, hkv=3, d=64) for _ in range(2))
+    slots = torch.randperm(160, generator=g)[:100]  # 100 tokens scattered over 10 blocks
+    k, v = torch.randn(100, 3, 64, generator=g), torch.randn(100, 3, 64, generator=g)
+    write_kv(ours, 9, slots, k, v)
+    theirs.write(slots, k, v)
+    assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)

@@ -100,7 +100,7 @@ class PagedAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        kv_cache.write(meta.slot_mapping, k, v)
+        self.write(kv_cache, meta.slot_mapping, q, k, v)
         if len(meta.decode_groups) == 1 and meta.decode_groups[0].whole_step:  # e.g. one stream decoding
             return self.decode(q, kv_cache, meta.decode_groups[0], scale)
         out = torch.empty_like(q)
@@ -114,6 +114,11 @@ class PagedAttentionBackend:
 
     def warmup(self, kv_cache: PagedKVCache, num_q_heads: int, dtype: torch.dtype, scale: float) -> float:
         return 0.0
+
+    def write(self, kv_cache: PagedKVCache, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """This step's k, v (T, Hkv, D) to the cache at slots (T,); q (T, Hq, D) for its shapes."""
+        kv_cache.write(slots, k, v)
 
     def decode(self, q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
         """q (Bd, Hq, D): one query per sequence of the group -> (Bd, Hq, D)."""

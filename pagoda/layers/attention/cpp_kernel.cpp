@@ -277,3 +277,18 @@ extern "C" void pagoda_paged_decode(const float* q_in, const elem_t* k, const el
     }
   }
 }
+
+// Write T new tokens' K and V (T, HKV, D), already in the storage dtype, to their slots (block * BS +
+// offset): V rows are copied whole; K elements go to the tokens-innermost layout, stride BS apart. For
+// caches without scales (quantized ones are written by torch code, pagoda/layers/kv_quant.py).
+extern "C" void pagoda_write_kv(elem_t* k, elem_t* v, const elem_t* k_new, const elem_t* v_new, const int64_t* slots,
+                                int64_t T) {
+#pragma omp parallel for schedule(static) if (T >= 64)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t block = slots[t] / BS, offset = slots[t] % BS;
+    const elem_t* kr = k_new + t * HKV * D;
+    elem_t* kb = k + block * HKV * D * BS + offset;
+    for (int64_t i = 0; i < HKV * D; ++i) kb[i * BS] = kr[i];
+    std::memcpy(v + (block * BS + offset) * HKV * D, v_new + t * HKV * D, HKV * D * sizeof(elem_t));
+  }
+}
