@@ -209,12 +209,18 @@ def test_small_decode_groups_go_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None
     assert calls == ["sdpa", "sdpa", "kernel", "kernel"]
 
 
+@pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn])
-def test_cpp_kernel_decodes_every_8_bit_code(storage: torch.dtype) -> None:
+def test_cpp_kernel_decodes_every_8_bit_code(storage: torch.dtype, portable: bool,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Each sequence has one token, so its output is that token's V row times its scale: all 256 int8 codes
-    and every finite e4m3 code (subnormals and both signs included) come back as torch decodes them."""
+    and every finite e4m3 code (subnormals and both signs included) come back as torch decodes them.
+    portable: the build without AVX-512 intrinsics (what CPUs without AVX-512 run), on this CPU too."""
+    import pagoda.layers.attention.cpp as cpp
     from tests.layers.test_kv_quant import make_cache
 
+    library_for = cpp._library_for
+    monkeypatch.setattr(cpp, "_library_for", lambda cache, hq: library_for(cache, hq, portable))
     cache = make_cache(KVCacheSpec(storage, "block"), num_blocks=2, block_size=16, hkv=3, d=64)
     codes = torch.arange(384, dtype=torch.int32).remainder(256).to(torch.uint8)
     if storage == torch.float8_e4m3fn:

@@ -41,10 +41,12 @@ _FLAGS = ("-ftree-loop-vectorize", "-ffp-contract=fast")
 
 
 @functools.cache
-def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_size: int) -> Any:
+def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_size: int,
+             portable: bool = False) -> Any:
     from torch._inductor.codecache import CppCodeCache  # the import is slow: only when used
 
     defines = dict(HKV=hkv, G=group, D=head_dim, BS=block_size, ELEM=elem, SCALES=scales)
+    defines |= {"PORTABLE": 1} if portable else {}
     header = "".join(f"#define PAGODA_{k} {v}\n" for k, v in defines.items())
     lib = CppCodeCache.load(header + _SOURCE.read_text(), extra_flags=_FLAGS)
     lib.pagoda_paged_decode.restype = lib.pagoda_write_kv.restype = None
@@ -53,10 +55,10 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
     return lib
 
 
-def _library_for(kv_cache: PagedKVCache, num_q_heads: int) -> Any:
+def _library_for(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = False) -> Any:
     _, block_size, hkv, d = kv_cache.k.shape
     return _library(_ELEM[kv_cache.k.dtype], _SCALES[kv_cache.spec.scale_granularity], hkv, num_q_heads // hkv, d,
-                    block_size)
+                    block_size, portable)
 
 
 def write_kv(kv_cache: PagedKVCache, num_q_heads: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -94,6 +96,7 @@ def paged_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch.Te
     spans = -(-width // span_blocks)
     qf = q.to(torch.float32).contiguous()
     bt, lens = block_tables.contiguous(), seq_lens.contiguous()
+    assert bt.dtype == lens.dtype == torch.int64, (bt.dtype, lens.dtype)  # read as int64_t by the kernel
     out = torch.empty((b, hq, d), dtype=torch.float32)
     work = torch.empty((b, spans, hq, d + 2), dtype=torch.float32)
     ks, vs = kv_cache.k_scale, kv_cache.v_scale

@@ -4,18 +4,23 @@
 // ISA flags, OpenMP runtime and on-disk cache torch.compile uses for its own kernels). The cache layout,
 // head shapes and storage format are compile-time constants, #defined ahead of this file:
 //   PAGODA_HKV, PAGODA_G (query heads per KV head), PAGODA_D (head_dim), PAGODA_BS (block_size),
-//   PAGODA_ELEM: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 fp8 through a 256-entry table,
-//   PAGODA_SCALES: 0 none, 1 a float16 scale per (token, KV head), 2 per (block, KV head).
+//   PAGODA_ELEM: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 fp8 (e4m3),
+//   PAGODA_SCALES: 0 none, 1 a float16 scale per (token, KV head), 2 per (block, KV head);
+//   PAGODA_PORTABLE (optional): no AVX-512 intrinsics even where the compiler targets AVX-512 (tests use
+//   it to check the code other CPUs run).
 //
 // Why a kernel of our own: decode attention reads every context token's K and V once per layer and
 // does ~2 FLOPs per byte, so it should run at memory bandwidth. SDPA first gathers the blocks into a
 // contiguous copy (three passes over the context); inductor's kernel for the same plain-torch code
 // reached ~6 GB/s. Here each work item is (sequence, span of blocks): it walks its blocks in table
-// order, reads each block whole and contiguously (all KV heads of a token are adjacent), converts a
-// token's row to float32 once, and keeps a running (online) softmax per query head, so K and V are
-// read exactly once and nothing is written but the output. Spans of one sequence are merged at the end.
+// order, reads each block once, in place (K stored with the block's tokens innermost, see attend_span),
+// converts elements to float32 in registers, and keeps a running (online) softmax per query head, so
+// nothing is written but the output. Spans of one sequence are merged at the end. Measured in
+// BENCHMARKS.md ("The C++ decode kernel").
 
+#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -64,7 +69,7 @@ static inline vf load16(const elem_t* p, const float*) {
 using elem_t = int8_t;
 typedef int8_t vi8 __attribute__((vector_size(L)));
 static inline vf load16(const elem_t* p, const float*) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
   // GCC 12 turns the generic conversion below into scalar code, lane by lane (int8 caches ran slower than
   // float32 ones); AVX-512 converts 16 lanes in two instructions.
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -77,7 +82,7 @@ static inline vf load16(const elem_t* p, const float*) {
 #elif PAGODA_ELEM == 4
 using elem_t = uint8_t;  // fp8 (e4m3fn)
 static inline vf load16(const elem_t* p, const float* table) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
   // Bit arithmetic: the sign to bit 31, exponent and mantissa to float32's top exponent and mantissa bits,
   // then a multiply by 2^120 rebiases the exponent (7 -> 127) and scales e4m3's subnormals, which land on
   // float32 subnormals, exactly. NaN (never stored: writes clamp to +-448) is not decoded.
