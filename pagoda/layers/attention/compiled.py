@@ -17,17 +17,13 @@ processes' compiles much faster. Measured in BENCHMARKS.md.
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any
 
 import torch
 
 from pagoda.layers.attention.backend import DecodeGroup
 from pagoda.layers.attention.paged_kv import PagedKVCache
-from pagoda.layers.attention.sdpa import SDPAAttentionBackend
-
-logger = logging.getLogger(__name__)
+from pagoda.layers.attention.sdpa import KernelBackend
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -91,14 +87,8 @@ _compiled = torch.compile(paged_decode_attention, fullgraph=True, dynamic=False,
 MIN_COMPILED_TOKENS = 2048
 
 
-class CompiledAttentionBackend(SDPAAttentionBackend):
+class CompiledAttentionBackend(KernelBackend):
     name = "compiled"
-
-    def __init__(self, strict: bool = True) -> None:
-        # strict (asked for by name): a failed compilation is an error. Not strict (chosen by "auto"):
-        # it is logged and decodes fall back to SDPA's gather-then-attend path.
-        self.strict = strict
-        self.fallback = False
 
     def decode(self, q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
         if self.fallback or group.block_tables.numel() * kv_cache.block_size < MIN_COMPILED_TOKENS:
@@ -122,19 +112,7 @@ class CompiledAttentionBackend(SDPAAttentionBackend):
     @torch.inference_mode()  # as the model runner calls it: grad mode is part of the compiled graph's guards
     def warmup(self, kv_cache: PagedKVCache, num_q_heads: int, dtype: torch.dtype, scale: float) -> float:
         """Compile for this cache's layout (and softmax scale, a constant in the graph) before serving."""
-        start = time.perf_counter()
         group = DecodeGroup(rows=torch.arange(2), block_tables=torch.zeros((2, 2), dtype=torch.long),
                             seq_lens=torch.tensor([1, 2]))
         q = torch.zeros((2, num_q_heads, kv_cache.k.shape[-1]), dtype=dtype)
-        try:
-            self.kernel_decode(q, kv_cache, group, scale)
-        except Exception as e:  # no C++ compiler, an inductor bug, ...
-            if self.strict:
-                raise RuntimeError(f"attention_backend 'compiled' could not compile its kernel: {e}") from e
-            logger.warning("could not compile the paged decode kernel (%s); decodes use sdpa", e)
-            self.fallback = True
-            self.name = "sdpa"  # what the engine reports as in use
-        seconds = time.perf_counter() - start
-        if not self.fallback:
-            logger.info("compiled paged decode attention in %.1f s", seconds)
-        return seconds
+        return self.build(lambda: self.kernel_decode(q, kv_cache, group, scale))

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +23,7 @@ import torch
 
 from pagoda.layers.attention.backend import DecodeGroup
 from pagoda.layers.attention.paged_kv import PagedKVCache, is_k_cache_layout
-from pagoda.layers.attention.sdpa import SDPAAttentionBackend
-
-logger = logging.getLogger(__name__)
+from pagoda.layers.attention.sdpa import KernelBackend
 
 _SOURCE = Path(__file__).with_name("cpp_kernel.cpp")
 _ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
@@ -110,14 +106,8 @@ def paged_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch.Te
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-class CppAttentionBackend(SDPAAttentionBackend):
+class CppAttentionBackend(KernelBackend):
     name = "cpp"
-
-    def __init__(self, strict: bool = True) -> None:
-        # strict (asked for by name): a failed compilation is an error. Not strict (chosen by "auto"): it is
-        # logged and decodes fall back to SDPA's gather-then-attend path.
-        self.strict = strict
-        self.fallback = False
 
     def write(self, kv_cache: PagedKVCache, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
@@ -134,19 +124,8 @@ class CppAttentionBackend(SDPAAttentionBackend):
 
     def warmup(self, kv_cache: PagedKVCache, num_q_heads: int, dtype: torch.dtype, scale: float) -> float:
         """Compile (or load from inductor's cache) the kernel for this cache layout before serving."""
-        start = time.perf_counter()
-        if supports(kv_cache, dtype):
-            q = torch.zeros((1, num_q_heads, kv_cache.k.shape[-1]), dtype=dtype)
-            try:
-                paged_decode(q, kv_cache, torch.zeros((1, 1), dtype=torch.long), torch.ones(1, dtype=torch.long),
-                             scale)
-            except Exception as e:  # no C++ compiler, ...
-                if self.strict:
-                    raise RuntimeError(f"attention_backend 'cpp' could not compile its kernel: {e}") from e
-                logger.warning("could not compile the C++ paged decode kernel (%s); decodes use sdpa", e)
-                self.fallback = True
-                self.name = "sdpa"  # what the engine reports as in use
-        seconds = time.perf_counter() - start
-        if not self.fallback:
-            logger.info("C++ paged decode attention ready in %.1f s", seconds)
-        return seconds
+        if not supports(kv_cache, dtype):
+            return 0.0
+        q = torch.zeros((1, num_q_heads, kv_cache.k.shape[-1]), dtype=dtype)
+        table, length = torch.zeros((1, 1), dtype=torch.long), torch.ones(1, dtype=torch.long)
+        return self.build(lambda: paged_decode(q, kv_cache, table, length, scale))

@@ -10,11 +10,17 @@ Same contract as the reference backend (`torch_ref.py`), which it is tested agai
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from pagoda.layers.attention.backend import DecodeGroup, PagedAttentionBackend
 from pagoda.layers.attention.paged_kv import PagedKVCache
+
+logger = logging.getLogger(__name__)
 
 
 class SDPAAttentionBackend(PagedAttentionBackend):
@@ -44,6 +50,32 @@ class SDPAAttentionBackend(PagedAttentionBackend):
             q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),  # (Bd, H, 1 | L, D)
             attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(2)  # (Bd, Hq, D)
+
+
+class KernelBackend(SDPAAttentionBackend):
+    """A backend whose decodes run a kernel built at start-up (`compiled`, `cpp`), with SDPA's path as the
+    fallback. strict (asked for by name): a failed build is an error. Not strict (chosen by "auto"): it is
+    logged, and decodes use SDPA's gather-then-attend path."""
+
+    def __init__(self, strict: bool = True) -> None:
+        self.strict = strict
+        self.fallback = False
+
+    def build(self, kernel: Callable[[], object]) -> float:
+        """Run kernel() once, which builds the kernel (compiles, or loads a cached build); its seconds."""
+        start = time.perf_counter()
+        try:
+            kernel()
+        except Exception as e:  # no C++ compiler, an inductor bug, ...
+            if self.strict:
+                raise RuntimeError(f"attention_backend {self.name!r} could not compile its kernel: {e}") from e
+            logger.warning("could not compile the %s paged decode kernel (%s); decodes use sdpa", self.name, e)
+            self.fallback = True
+            self.name = "sdpa"  # what the engine reports as in use
+        seconds = time.perf_counter() - start
+        if not self.fallback:
+            logger.info("%s paged decode attention ready in %.1f s", self.name, seconds)
+        return seconds
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
