@@ -10,7 +10,7 @@ import torch
 from pagoda.layers.attention.backend import PagedAttentionBackend
 from pagoda.layers.attention.compiled import CompiledAttentionBackend, paged_decode_attention
 from pagoda.layers.attention.cpp import CppAttentionBackend, paged_decode, supports
-from pagoda.layers.attention.sdpa import SDPAAttentionBackend
+from pagoda.layers.attention.sdpa import KernelBackend, SDPAAttentionBackend
 from pagoda.layers.kv_quant import KVCacheSpec
 from tests.layers.test_kv_quant import run_steps
 
@@ -159,36 +159,30 @@ def test_auto_backend_is_chosen_by_dtype() -> None:
         get_attention_backend("flash")
 
 
-def test_auto_falls_back_to_sdpa_when_compilation_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagoda.layers.attention.compiled as compiled
-    from tests.layers.test_kv_quant import make_cache
-
-    def broken(*args: object) -> torch.Tensor:
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(compiled, "_compiled", broken)
-    cache = make_cache(KVCacheSpec(torch.float32), num_blocks=4, block_size=4, hkv=2, d=8)
-    auto = CompiledAttentionBackend(strict=False)
-    auto.warmup(cache, 4, torch.float32, 0.5)
-    assert auto.fallback and auto.name == "sdpa"
-    with pytest.raises(RuntimeError, match="could not compile"):
-        CompiledAttentionBackend(strict=True).warmup(cache, 4, torch.float32, 0.5)
-
-
-def test_cpp_backend_falls_back_to_sdpa_when_compilation_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagoda.layers.attention.cpp as cpp
+@pytest.mark.parametrize(("backend", "module", "builder"), [(CompiledAttentionBackend, "compiled", "_compiled"),
+                                                         (CppAttentionBackend, "cpp", "_library")])
+def test_kernel_backends_fall_back_to_sdpa_when_compilation_fails(
+        backend: type[KernelBackend], module: str, builder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chosen by auto (not strict): the failure is logged, the backend reports itself as sdpa, and its
+    steps go through SDPA's path (the broken builder would raise if called again). Asked for by name
+    (strict): an error."""
     from tests.layers.test_kv_quant import make_cache
 
     def broken(*args: object) -> None:
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(cpp, "_library", broken)
+    monkeypatch.setattr(f"pagoda.layers.attention.{module}.{builder}", broken)
+    monkeypatch.setattr("pagoda.layers.attention.compiled.MIN_COMPILED_TOKENS", 0)
     cache = make_cache(KVCacheSpec(torch.float32), num_blocks=4, block_size=16, hkv=2, d=64)
-    auto = CppAttentionBackend(strict=False)
-    auto.warmup(cache, 4, torch.float32, 0.5)
+    auto = backend(strict=False)
+    auto.warmup(cache, 8, torch.float32, 0.5)
     assert auto.fallback and auto.name == "sdpa"
+    ref = run_steps(KVCacheSpec(torch.float32), torch.float32, bs=16)
+    got = run_steps(KVCacheSpec(torch.float32), torch.float32, backend=auto, bs=16)
+    for r, o in zip(ref, got, strict=True):
+        torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="could not compile"):
-        CppAttentionBackend(strict=True).warmup(cache, 4, torch.float32, 0.5)
+        backend(strict=True).warmup(cache, 8, torch.float32, 0.5)
 
 
 def test_small_decode_groups_go_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
