@@ -29,6 +29,7 @@ from pagoda.bench.common import parse_range
 from pagoda.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.layers.attention import AttentionBackend, get_attention_backend
+from pagoda.layers.attention.cpp import CppAttentionBackend
 from pagoda.layers.linear import prepack_linears
 
 
@@ -101,6 +102,8 @@ VERSUS = {
     "packed-weights": "the same steps on oneDNN-packed linear weights (--prepack-weights); leave that flag out",
     "opaque-attention": "with --compile-model, the same steps without the one-stream graph (attention as the "
                         "opaque op)",
+    "torch-elementwise": "the elementwise steps as torch ops, not the fused C++ ones (--no-fused-ops)",
+    "length-groups": "with the cpp backend, decodes in groups of similar length (as for sdpa), not one group",
     **{f"{name}-attention": f"the same steps with attention backend {name}" for name in ("sdpa", "compiled", "cpp")},
 }
 
@@ -158,6 +161,33 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
             model.compiled_one_stream = None
 
         return {"step": after(use_graph), "opaque-attention": after(drop_graph)}
+    if args.versus == "torch-elementwise":
+        ops = engine.model.ops
+        lib = ops.lib
+        if lib is None:
+            raise SystemExit("--versus torch-elementwise needs the fused ops (not with --compile-model or float64)")
+
+        def elementwise(fused: bool) -> Callable[[], None]:
+            def run() -> None:
+                ops.lib = lib if fused else None
+                steps()
+
+            return run
+
+        return {"step": elementwise(True), "torch-elementwise": elementwise(False)}
+    if args.versus == "length-groups":
+        backend = engine.model.backend
+        if not isinstance(backend, CppAttentionBackend):
+            raise SystemExit("--versus length-groups compares the cpp backend's one decode group with length groups")
+
+        def groups(one: bool) -> Callable[[], None]:
+            def run() -> None:
+                backend.one_group = one
+                steps()
+
+            return run
+
+        return {"step": groups(True), "length-groups": groups(False)}
     if args.versus and args.versus.endswith("-attention"):
         arch, caches = engine.arch, engine.runner.kv_caches
         dtype = engine.config.model.torch_dtype

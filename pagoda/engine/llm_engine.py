@@ -67,6 +67,8 @@ class LLMEngine:
         self.attention_backend = backend.name  # after warm-up: the backend actually in use
         if mc.compile_model:
             self.compile_seconds += self.model.enable_compiled_forward(caches)
+        elif mc.fused_ops:
+            self.compile_seconds += self.model.enable_fused_ops(mc.torch_dtype)
         if mc.prepack_weights:
             added, rows = prepack_linears(self.model)
             if rows is not None:

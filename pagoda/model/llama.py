@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.layers.attention import AttentionBackend, AttentionMetadata, PagedKVCache
 from pagoda.layers.attention.compiled import paged_decode_attention
+from pagoda.layers.elementwise import ElementwiseOps
 from pagoda.layers.layernorm import RMSNorm
-from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.model.compiled_forward import (
     OneStreamDecode,
     compile_forward,
@@ -82,8 +82,9 @@ class ArchConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, layer_idx: int) -> None:
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, layer_idx: int, ops: ElementwiseOps) -> None:
         super().__init__()
+        self.ops = ops
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -94,8 +95,8 @@ class Attention(nn.Module):
         # Qwen2 has biases on q/k/v only; Llama-style attention_bias covers o_proj too.
         o_bias = bias and cfg.model_type != "qwen2"
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.backend = backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache | None,
@@ -108,8 +109,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos, sin)
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        q, k = self.ops.rotary(q, k, cos, sin)
         if one_stream is not None:
             out = self._one_stream_attention(q, k, v, one_stream)
         elif kv_cache is None or meta is None:
@@ -126,39 +127,46 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, ops: ElementwiseOps) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, layer_idx: int) -> None:
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, layer_idx: int, ops: ElementwiseOps) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, backend, layer_idx, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ops)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache | None,
-                meta: AttentionMetadata | None, one_stream: OneStreamDecode | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, one_stream)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: PagedKVCache | None, meta: AttentionMetadata | None,
+                one_stream: OneStreamDecode | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings, with residual None, for the first layer);
+        residual: the residual stream before it. Returns the same two for the next layer: the residual
+        adds are done by the norms (HF's x = x + attn(norm(x)); x = x + mlp(norm(x)), regrouped)."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta, one_stream)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
     """Holds `model.*` parameters (HF's inner model)."""
 
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, max_positions: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, ops: ElementwiseOps) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
 
 
@@ -168,7 +176,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.backend = backend
-        self.model = LlamaModel(cfg, backend, max_positions, dtype)
+        self.ops = ElementwiseOps()  # shared by every module: torch ops until enable_fused_ops()
+        self.model = LlamaModel(cfg, backend, max_positions, dtype, self.ops)
         self.compiled_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.compiled_one_stream: Callable[..., torch.Tensor] | None = None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -192,10 +201,12 @@ class LlamaForCausalLM(nn.Module):
                  kv_caches: list[PagedKVCache] | None = None, meta: AttentionMetadata | None = None,
                  one_stream: OneStreamDecode | None = None) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        residual = None
         cos, sin = self.model.rotary.cos_sin(positions)  # once per step, shared by every layer
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_caches[i] if kv_caches is not None else None, meta, one_stream)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_caches[i] if kv_caches is not None else None, meta,
+                                one_stream)
+        return self.model.norm(x, residual)[0]
 
     def _forward_one_stream(self, input_ids: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
                             block_table: torch.Tensor, seq_len: torch.Tensor) -> torch.Tensor:
@@ -204,7 +215,9 @@ class LlamaForCausalLM(nn.Module):
 
     def enable_compiled_forward(self, kv_caches: list[PagedKVCache]) -> float:
         """Compiles the forward pass (pagoda/model/compiled_forward.py), and, for a cache stored in the
-        model dtype, the one-stream decode step with its attention in the graph; returns the seconds."""
+        model dtype, the one-stream decode step with its attention in the graph; returns the seconds.
+        The elementwise ops go back to torch's: inductor fuses those itself."""
+        self.ops.disable_cpp()
         self.compiled_forward, seconds = compile_forward(self._forward, self.config.hidden_size)
         if kv_caches[0].spec.quantized:
             return seconds
@@ -217,6 +230,11 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.register_buffer(name, tensor, persistent=False)
         self.compiled_one_stream, more = compile_one_stream_decode(self._forward_one_stream, self.config.hidden_size)
         return seconds + more
+
+    def enable_fused_ops(self, dtype: torch.dtype) -> float:
+        """The elementwise steps in C++ (pagoda/layers/elementwise.py), for float32 and 16-bit models;
+        returns the seconds spent building them."""
+        return self.ops.enable_cpp(dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

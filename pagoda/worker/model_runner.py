@@ -46,7 +46,7 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
         meta = build_attention_metadata([(s.block_table, s.start_pos, s.num_new_tokens) for s in sched.seqs],
-                                        self.block_size)
+                                        self.block_size, self.model.backend.decode_group_padding)
         return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
                           sample_rows, sample_seqs)
 

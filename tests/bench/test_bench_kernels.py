@@ -98,3 +98,22 @@ def test_decode_step_versus_another_attention_backend(capsys: pytest.CaptureFixt
     assert row["decode_step_ms"] > 0 and row["versus_ms"] > 0
     # the warm-up call, then at least one decode group per layer of each of the cpp side's 2 x 2 steps
     assert len(calls) >= 1 + 2 * 2 * 30 and (len(calls) - 1) % 30 == 0
+
+
+@pytest.mark.parametrize("versus", ["torch-elementwise", "length-groups"])
+def test_decode_step_versus_the_cpp_paths_alternatives(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch, versus: str) -> None:
+    """--versus torch-elementwise: the fused C++ elementwise ops alternate with torch's (whose RMSNorm runs
+    only on that side: 61 norms a step); --versus length-groups: the cpp backend's one decode group with
+    length groups."""
+    import pagoda.layers.elementwise as elementwise
+    from pagoda.bench.decode_step import main
+
+    norms: list[int] = []
+    torch_norm = elementwise.rms_norm
+    monkeypatch.setattr(elementwise, "rms_norm", lambda *a: norms.append(1) or torch_norm(*a))
+    argv = ["--num-seqs", "4", "--input-len", "8:20", "--steps", "2", "--rounds", "2", "--versus", versus,
+            "--kv-cache-memory", "64MiB", "--attention-backend", "cpp"]
+    (row,) = run_module(main, argv, capsys, monkeypatch)
+    assert row["versus"] == versus and row["decode_step_ms"] > 0 and row["versus_ms"] > 0
+    assert len(norms) == (2 * 2 * 61 if versus == "torch-elementwise" else 0)

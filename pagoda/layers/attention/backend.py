@@ -15,7 +15,8 @@ import torch
 from pagoda.layers.attention.paged_kv import PagedKVCache
 
 # Decodes are attended to in groups of similar context length: one padded batch per group. A group
-# grows while its padded size stays within this factor of its real size.
+# grows while its padded size stays within this factor of its real size. Backends whose kernels stop at
+# each sequence's length (cpp) take all decodes as one group (their `decode_group_padding` is inf).
 DECODE_GROUP_PADDING = 1.25
 
 
@@ -38,8 +39,10 @@ class AttentionMetadata:
 
 
 
-def build_attention_metadata(seqs: list[tuple[list[int], int, int]], block_size: int) -> AttentionMetadata:
-    """seqs: (block table, start position, new tokens) per sequence, in batch order."""
+def build_attention_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
+                             group_padding: float | None = None) -> AttentionMetadata:
+    """seqs: (block table, start position, new tokens) per sequence, in batch order. group_padding: how
+    much padding a decode group may have (default DECODE_GROUP_PADDING; inf: all decodes in one group)."""
     tables = [torch.tensor(t, dtype=torch.long) for t, _, _ in seqs]
     slots, qsl, seq_lens = [], [0], []
     for table, (_, start, n) in zip(tables, seqs, strict=True):
@@ -48,7 +51,8 @@ def build_attention_metadata(seqs: list[tuple[list[int], int, int]], block_size:
         qsl.append(qsl[-1] + n)
         seq_lens.append(start + n)
     decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
-    groups = [_decode_group(g, tables, qsl, seq_lens) for g in _group_by_length(decodes, tables)]
+    padding = DECODE_GROUP_PADDING if group_padding is None else group_padding
+    groups = [_decode_group(g, tables, qsl, seq_lens) for g in _group_by_length(decodes, tables, padding)]
     if len(groups) == 1 and len(decodes) == len(seqs):
         groups[0].whole_step = bool(torch.equal(groups[0].rows, torch.arange(len(seqs))))
     return AttentionMetadata(
@@ -56,13 +60,13 @@ def build_attention_metadata(seqs: list[tuple[list[int], int, int]], block_size:
         decode_groups=groups, prefill_idx=[i for i, (_, _, n) in enumerate(seqs) if n > 1])
 
 
-def _group_by_length(idx: list[int], tables: list[torch.Tensor]) -> list[list[int]]:
+def _group_by_length(idx: list[int], tables: list[torch.Tensor], padding: float) -> list[list[int]]:
     """Split sequences (sorted by blocks) so that padding each group to its longest wastes little."""
     groups: list[list[int]] = []
     blocks = 0
     for i in sorted(idx, key=lambda i: len(tables[i])):
         n = len(tables[i])  # the longest so far in its group: sorted ascending
-        if groups and (len(groups[-1]) + 1) * n <= DECODE_GROUP_PADDING * (blocks + n):
+        if groups and (len(groups[-1]) + 1) * n <= padding * (blocks + n):
             groups[-1].append(i)
             blocks += n
         else:
@@ -82,6 +86,11 @@ def _decode_group(idx: list[int], tables: list[torch.Tensor], qsl: list[int], se
 class AttentionBackend(Protocol):
     name: str
 
+    @property
+    def decode_group_padding(self) -> float:
+        """How much padding a batched decode group may have (build_attention_metadata's group_padding)."""
+        ...
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: (T, Hq, D); k, v: (T, Hkv, D), written to kv_cache at meta.slot_mapping -> (T, Hq, D)."""
@@ -97,6 +106,10 @@ class PagedAttentionBackend:
     and prompt chunks one sequence at a time. Subclasses say how to attend."""
 
     name = "base"
+
+    @property
+    def decode_group_padding(self) -> float:
+        return DECODE_GROUP_PADDING  # read at each step: `bench.decode_step --no-grouping` sets it
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -1,8 +1,9 @@
 // Paged decode attention for CPUs: one query token per sequence against its context in the paged cache.
 //
 // Compiled at start-up by pagoda/layers/attention/cpp.py through inductor's C++ code cache (the compiler,
-// ISA flags, OpenMP runtime and on-disk cache torch.compile uses for its own kernels). The cache layout,
-// head shapes and storage format are compile-time constants, #defined ahead of this file:
+// ISA flags, OpenMP runtime and on-disk cache torch.compile uses for its own kernels), after
+// pagoda/layers/cpp_vector.h (vf, exp2_neg). The cache layout, head shapes and storage format are
+// compile-time constants, #defined ahead of both:
 //   PAGODA_HKV, PAGODA_G (query heads per KV head), PAGODA_D (head_dim), PAGODA_BS (block_size),
 //   PAGODA_ELEM: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 fp8 (e4m3),
 //   PAGODA_SCALES: 0 none, 1 a float16 scale per (token, KV head), 2 per (block, KV head);
@@ -18,22 +19,8 @@
 // nothing is written but the output. Spans of one sequence are merged at the end. Measured in
 // BENCHMARKS.md ("The C++ decode kernel").
 
-#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
-#include <immintrin.h>
-#endif
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-
 constexpr int64_t HKV = PAGODA_HKV, G = PAGODA_G, HQ = HKV * G, D = PAGODA_D, BS = PAGODA_BS;
 
-// 16 float32 lanes: one AVX-512 register (two AVX2 ones). GCC's vector extension keeps the kernel's
-// accumulators in registers, where arrays indexed in loops would live on the stack.
-constexpr int64_t L = 16;
-typedef float vf __attribute__((vector_size(L * 4)));
 static_assert(BS % L == 0 && D % L == 0, "the kernel takes block_size and head_dim in multiples of 16");
 constexpr int64_t NT = BS / L, ND = D / L;
 
@@ -98,29 +85,6 @@ static inline vf load16(const elem_t* p, const float* table) {
 }
 #endif
 
-// 2^x for x <= 0 (scores minus their running maximum, in log2 units), lane by lane: 2^n through the
-// exponent bits, 2^f for f = x - n in [-0.5, 0.5] by its Taylor series to degree 7 (truncation error
-// below 1e-8, under float32 rounding). Below -126 it returns 2^-126, not 0: callers zero masked lanes.
-typedef int32_t vi32 __attribute__((vector_size(L * 4)));
-static inline vf exp2_neg(vf x) {
-  x = x < -126.0f ? vf{} - 126.0f : x;
-  const vf n = (x + 12582912.0f) - 12582912.0f;  // x rounded to an integer (1.5 * 2^23 trick)
-  const vf f = (x - n) * 0.6931471805599453f;     // 2^(x - n) = e^f
-  vf p = vf{} + 1.9841269841269841e-4f;
-  p = p * f + 1.3888888888888889e-3f;
-  p = p * f + 8.3333333333333333e-3f;
-  p = p * f + 4.1666666666666667e-2f;
-  p = p * f + 1.6666666666666667e-1f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const vi32 bits = (__builtin_convertvector(n, vi32) + 127) << 23;
-  vf two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
-
-static inline float exp2_neg(float x) { return exp2_neg(vf{} + x)[0]; }
 
 // Attend one span of blocks [j0, j1) of one sequence: running max m, sum l and unnormalized output acc
 // for each query head. q is pre-scaled by softmax_scale * log2(e), so scores are in log2 units.

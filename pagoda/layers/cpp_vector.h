@@ -1,0 +1,41 @@
+// Shared by Pagoda's C++ kernels (pagoda/layers/cpp_build.py puts it ahead of each source): a vector of
+// 16 float32 lanes and 2^x for x <= 0 on it.
+
+#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+// 16 float32 lanes: one AVX-512 register (two AVX2 ones). GCC's vector extension keeps the kernel's
+// accumulators in registers, where arrays indexed in loops would live on the stack.
+constexpr int64_t L = 16;
+typedef float vf __attribute__((vector_size(L * 4)));
+typedef int32_t vi32 __attribute__((vector_size(L * 4)));
+
+// 2^x for x <= 0 (scores minus their running maximum, in log2 units), lane by lane: 2^n through the
+// exponent bits, 2^f for f = x - n in [-0.5, 0.5] by its Taylor series to degree 7 (truncation error
+// below 1e-8, under float32 rounding). Below -126 it returns 2^-126, not 0: callers zero masked lanes.
+static inline vf exp2_neg(vf x) {
+  x = x < -126.0f ? vf{} - 126.0f : x;
+  const vf n = (x + 12582912.0f) - 12582912.0f;  // x rounded to an integer (1.5 * 2^23 trick)
+  const vf f = (x - n) * 0.6931471805599453f;     // 2^(x - n) = e^f
+  vf p = vf{} + 1.9841269841269841e-4f;
+  p = p * f + 1.3888888888888889e-3f;
+  p = p * f + 8.3333333333333333e-3f;
+  p = p * f + 4.1666666666666667e-2f;
+  p = p * f + 1.6666666666666667e-1f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const vi32 bits = (__builtin_convertvector(n, vi32) + 127) << 23;
+  vf two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+static inline float exp2_neg(float x) { return exp2_neg(vf{} + x)[0]; }
