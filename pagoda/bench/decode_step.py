@@ -28,7 +28,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.bench.common import parse_range
 from pagoda.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.layers.attention import AttentionBackend, get_attention_backend
+from pagoda.layers.attention import AttentionBackend, cpp, get_attention_backend
 from pagoda.layers.attention.cpp import CppAttentionBackend
 from pagoda.layers.linear import prepack_linears
 
@@ -102,6 +102,7 @@ VERSUS = {
     "packed-weights": "the same steps on oneDNN-packed linear weights (--prepack-weights); leave that flag out",
     "opaque-attention": "with --compile-model, the same steps without the one-stream graph (attention as the "
                         "opaque op)",
+    "no-prefetch": "with the cpp backend, its kernel built without prefetching the next block's K and V",
     "torch-elementwise": "the elementwise steps as torch ops, not the fused C++ ones (--no-fused-ops)",
     "length-groups": "with the cpp backend, decodes in groups of similar length (as for sdpa), not one group",
     **{f"{name}-attention": f"the same steps with attention backend {name}" for name in ("sdpa", "compiled", "cpp")},
@@ -161,6 +162,19 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
             model.compiled_one_stream = None
 
         return {"step": after(use_graph), "opaque-attention": after(drop_graph)}
+    if args.versus == "no-prefetch":
+        ahead = cpp.PREFETCH_AHEAD
+        cpp.PREFETCH_AHEAD = 0
+        cpp._library_for(engine.runner.kv_caches[0], engine.arch.num_heads)  # built before the timing starts
+
+        def prefetch(n: int) -> Callable[[], None]:
+            def run() -> None:
+                cpp.PREFETCH_AHEAD = n
+                steps()
+
+            return run
+
+        return {"step": prefetch(ahead), "no-prefetch": prefetch(0)}
     if args.versus == "torch-elementwise":
         ops = engine.model.ops
         lib = ops.lib

@@ -100,12 +100,12 @@ def test_decode_step_versus_another_attention_backend(capsys: pytest.CaptureFixt
     assert len(calls) >= 1 + 2 * 2 * 30 and (len(calls) - 1) % 30 == 0
 
 
-@pytest.mark.parametrize("versus", ["torch-elementwise", "length-groups"])
+@pytest.mark.parametrize("versus", ["torch-elementwise", "length-groups", "no-prefetch"])
 def test_decode_step_versus_the_cpp_paths_alternatives(capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch, versus: str) -> None:
     """--versus torch-elementwise: the fused C++ elementwise ops alternate with torch's (whose RMSNorm runs
     only on that side: 61 norms a step); --versus length-groups: the cpp backend's one decode group with
-    length groups."""
+    length groups; --versus no-prefetch: its kernel with and without prefetching."""
     import pagoda.layers.elementwise as elementwise
     from pagoda.bench.decode_step import main
 

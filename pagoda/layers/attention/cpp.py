@@ -31,6 +31,11 @@ _SCALES = {None: 0, "token": 1, "block": 2}
 # Work items per thread the kernel is given at least: sequences are cut into spans of blocks until there
 # are this many items per thread (few, long sequences), so that the dynamic schedule can balance them.
 _ITEMS_PER_THREAD = 4
+# Blocks ahead of the one being read whose K and V the kernel prefetches (0: none; cpp_kernel.cpp), for
+# caches of 1- and 2-byte elements: 128-request decode steps 1.075x faster in bfloat16, 1.035x with an int8
+# cache; with float32 caches they were 1.02x slower, so those are not prefetched
+# (`python -m pagoda.bench.decode_step --versus no-prefetch`, BENCHMARKS.md).
+PREFETCH_AHEAD = 1
 # Inductor compiles its own kernels (explicitly vectorized) with the loop vectorizer off and without
 # fused multiply-adds; this kernel relies on the compiler vectorizing its loops, and FMAs are fine.
 _FLAGS = ("-ftree-loop-vectorize", "-ffp-contract=fast")
@@ -38,8 +43,9 @@ _FLAGS = ("-ftree-loop-vectorize", "-ffp-contract=fast")
 
 @functools.cache
 def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_size: int,
-             portable: bool = False) -> Any:
-    defines = dict(HKV=hkv, G=group, D=head_dim, BS=block_size, ELEM=elem, SCALES=scales)
+             portable: bool = False, prefetch_ahead: int = 1) -> Any:
+    defines = dict(HKV=hkv, G=group, D=head_dim, BS=block_size, ELEM=elem, SCALES=scales,
+                   PREFETCH_AHEAD=prefetch_ahead)
     defines |= {"PORTABLE": 1} if portable else {}
     lib = load_library(_SOURCE, defines, _FLAGS)
     lib.pagoda_paged_decode.restype = lib.pagoda_write_kv.restype = None
@@ -51,7 +57,7 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
 def _library_for(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = False) -> Any:
     _, block_size, hkv, d = kv_cache.k.shape
     return _library(_ELEM[kv_cache.k.dtype], _SCALES[kv_cache.spec.scale_granularity], hkv, num_q_heads // hkv, d,
-                    block_size, portable)
+                    block_size, portable, PREFETCH_AHEAD if kv_cache.k.element_size() <= 2 else 0)
 
 
 def write_kv(kv_cache: PagedKVCache, num_q_heads: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -7,6 +7,7 @@
 //   PAGODA_HKV, PAGODA_G (query heads per KV head), PAGODA_D (head_dim), PAGODA_BS (block_size),
 //   PAGODA_ELEM: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 fp8 (e4m3),
 //   PAGODA_SCALES: 0 none, 1 a float16 scale per (token, KV head), 2 per (block, KV head);
+//   PAGODA_PREFETCH_AHEAD: how many blocks ahead to prefetch K and V (prefetch_block);
 //   PAGODA_PORTABLE (optional): no AVX-512 intrinsics even where the compiler targets AVX-512 (tests use
 //   it to check the code other CPUs run).
 //
@@ -86,6 +87,23 @@ static inline vf load16(const elem_t* p, const float* table) {
 #endif
 
 
+// Ask for a block's K and V PAGODA_PREFETCH_AHEAD blocks before they are needed (0: never). A block's K
+// and V are each one contiguous run (HKV * D * BS elements), but consecutive blocks of a sequence lie
+// anywhere in the cache, so the hardware prefetcher, which follows addresses, cannot fetch the next block
+// while this one is computed. One block ahead made bfloat16 and int8 decode steps faster, float32 ones
+// slower (cpp.py chooses; BENCHMARKS.md); two ahead was slower. The scales (float16, a few bytes a
+// block) are left to the hardware.
+constexpr int64_t PREFETCH_AHEAD = PAGODA_PREFETCH_AHEAD;
+static inline void prefetch_block(const elem_t* k, const elem_t* v, int64_t block) {
+  constexpr int64_t BYTES = HKV * D * BS * int64_t(sizeof(elem_t));
+  const char* kb = reinterpret_cast<const char*>(k + block * HKV * D * BS);
+  const char* vb = reinterpret_cast<const char*>(v + block * BS * HKV * D);
+  for (int64_t off = 0; off < BYTES; off += 64) {
+    __builtin_prefetch(kb + off, 0, 3);
+    __builtin_prefetch(vb + off, 0, 3);
+  }
+}
+
 // Attend one span of blocks [j0, j1) of one sequence: running max m, sum l and unnormalized output acc
 // for each query head. q is pre-scaled by softmax_scale * log2(e), so scores are in log2 units.
 //
@@ -108,6 +126,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
   for (int64_t j = j0; j < j1; ++j) {
     const int64_t block = blocks[j];
     const int64_t nt = std::min<int64_t>(BS, seq_len - j * BS);
+    if (PREFETCH_AHEAD > 0 && j + PREFETCH_AHEAD < j1) prefetch_block(k, v, blocks[j + PREFETCH_AHEAD]);
     for (int64_t h = 0; h < HKV; ++h) {
       const elem_t* kb = k + (block * HKV + h) * D * BS;
       vf sg[G][NT] = {};
