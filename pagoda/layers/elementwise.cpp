@@ -3,7 +3,8 @@
 // dispatch; together a third of a bfloat16 prompt step (BENCHMARKS.md, "Fused elementwise ops").
 //
 // Compiled at start-up by pagoda/layers/elementwise.py (through pagoda/layers/cpp_build.py) for the model dtype,
-// #defined ahead: PAGODA_ELEM: 0 float32, 1 bfloat16, 2 float16.
+// #defined ahead: PAGODA_ELEM: 0 float32, 1 bfloat16, 2 float16; PAGODA_PORTABLE (optional): no AVX-512
+// intrinsics even where the compiler targets AVX-512 (tests check the code other CPUs run).
 //
 // Numerics follow the torch code they replace (pagoda/layers/layernorm.py, rotary.py, the Llama MLP), op by
 // op: arithmetic in float32, each torch op's result rounded to the model dtype where torch rounds it (rnd),

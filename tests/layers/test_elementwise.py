@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,13 @@ def fused(dtype: torch.dtype) -> ElementwiseOps:
     ops = ElementwiseOps()
     ops.enable_cpp(dtype)
     assert ops.lib is not None
+    return ops
+
+
+def portable(dtype: torch.dtype) -> ElementwiseOps:
+    """The build for CPUs without AVX-512 (SiLU's plain division instead of its reciprocal estimate)."""
+    ops = fused(dtype)
+    ops.lib = elementwise._library(elementwise._ELEM[dtype], portable=True)
     return ops
 
 
@@ -66,12 +74,13 @@ def test_rotary_in_place_on_a_fused_projection(dtype: torch.dtype, head_dim: int
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [128, 100])
-def test_silu_mul_on_both_halves_of_one_tensor(dtype: torch.dtype, n: int) -> None:
+@pytest.mark.parametrize("build", [fused, portable])
+def test_silu_mul_on_both_halves_of_one_tensor(dtype: torch.dtype, n: int, build: Any) -> None:
     torch.manual_seed(n)
     gate_up = (torch.randn(33, 2 * n) * 4).to(dtype)  # large and negative values: exp's range
     gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0]).to(dtype)
     gate, up = gate_up[:, :n], gate_up[:, n:]
-    close(fused(dtype).silu_mul(gate, up), ElementwiseOps().silu_mul(gate, up), dtype)
+    close(build(dtype).silu_mul(gate, up), ElementwiseOps().silu_mul(gate, up), dtype)
 
 
 def test_other_dtypes_and_layouts_run_as_torch() -> None:
@@ -86,7 +95,7 @@ def test_other_dtypes_and_layouts_run_as_torch() -> None:
 
 def test_a_failed_build_is_logged_and_ops_stay_torch(monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:
-    def broken(elem: int) -> None:
+    def broken(elem: int, portable: bool = False) -> None:
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(elementwise, "_library", broken)
