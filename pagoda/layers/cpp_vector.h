@@ -1,5 +1,5 @@
 // Shared by Pagoda's C++ kernels (pagoda/layers/cpp_build.py puts it ahead of each source): a vector of
-// 16 float32 lanes and 2^x for x <= 0 on it.
+// 16 float32 lanes, 16-bit floats loaded into it, and 2^x for x <= 0 on it.
 
 #if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
 #include <immintrin.h>
@@ -16,6 +16,25 @@
 constexpr int64_t L = 16;
 typedef float vf __attribute__((vector_size(L * 4)));
 typedef int32_t vi32 __attribute__((vector_size(L * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(L * 2)));
+typedef uint32_t vu32 __attribute__((vector_size(L * 4)));
+typedef _Float16 vf16 __attribute__((vector_size(L * 2)));
+
+// Sixteen consecutive bfloat16 (the high halves of float32s) or float16 values as float32.
+static inline vf load_bf16(const uint16_t* p) {
+  vu16 x;
+  std::memcpy(&x, p, sizeof(x));
+  const vu32 u = __builtin_convertvector(x, vu32) << 16;
+  vf r;
+  std::memcpy(&r, &u, sizeof(r));
+  return r;
+}
+
+static inline vf load_f16(const _Float16* p) {
+  vf16 x;
+  std::memcpy(&x, p, sizeof(x));
+  return __builtin_convertvector(x, vf);
+}
 
 // 2^x for x <= 0 (scores minus their running maximum, in log2 units), lane by lane: 2^n through the
 // exponent bits, 2^f for f = x - n in [-0.5, 0.5] by its Taylor series to degree 7 (truncation error

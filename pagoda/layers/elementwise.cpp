@@ -28,8 +28,6 @@ static inline void store(elem_t* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
 static inline vf rnd(vf x) { return x; }
 #elif PAGODA_ELEM == 1
 using elem_t = uint16_t;  // bfloat16: the high half of a float32
-typedef uint16_t vu16 __attribute__((vector_size(L * 2)));
-typedef uint32_t vu32 __attribute__((vector_size(L * 4)));
 static inline float to_f(elem_t x) {
   const uint32_t u = uint32_t(x) << 16;
   float f;
@@ -41,14 +39,7 @@ static inline elem_t from_f(float f) {  // NaN stays NaN
   std::memcpy(&u, &f, sizeof(u));
   return f != f ? elem_t(0x7fc0) : elem_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-static inline vf load(const elem_t* p) {
-  vu16 x;
-  std::memcpy(&x, p, sizeof(x));
-  const vu32 u = __builtin_convertvector(x, vu32) << 16;
-  vf r;
-  std::memcpy(&r, &u, sizeof(r));
-  return r;
-}
+static inline vf load(const elem_t* p) { return load_bf16(p); }
 static inline vu32 round_bits(vf x) {  // float32 bits rounded to bfloat16's top half, low half zero
   vu32 u;
   std::memcpy(&u, &x, sizeof(u));
@@ -67,19 +58,14 @@ static inline vf rnd(vf x) {
 }
 #elif PAGODA_ELEM == 2
 using elem_t = _Float16;
-typedef _Float16 vh __attribute__((vector_size(L * 2)));
 static inline float to_f(elem_t x) { return float(x); }
 static inline elem_t from_f(float x) { return elem_t(x); }
-static inline vf load(const elem_t* p) {
-  vh x;
-  std::memcpy(&x, p, sizeof(x));
-  return __builtin_convertvector(x, vf);
-}
+static inline vf load(const elem_t* p) { return load_f16(p); }
 static inline void store(elem_t* p, vf x) {
-  const vh h = __builtin_convertvector(x, vh);
+  const vf16 h = __builtin_convertvector(x, vf16);
   std::memcpy(p, &h, sizeof(h));
 }
-static inline vf rnd(vf x) { return __builtin_convertvector(__builtin_convertvector(x, vh), vf); }
+static inline vf rnd(vf x) { return __builtin_convertvector(__builtin_convertvector(x, vf16), vf); }
 #endif
 
 // x rounded to the model dtype, as float32: where torch stores an op's result.

@@ -35,24 +35,10 @@ static inline vf load16(const elem_t* p, const float*) {
 }
 #elif PAGODA_ELEM == 1
 using elem_t = uint16_t;  // bfloat16: the high half of a float32
-typedef uint16_t vu16 __attribute__((vector_size(L * 2)));
-typedef uint32_t vu32 __attribute__((vector_size(L * 4)));
-static inline vf load16(const elem_t* p, const float*) {
-  vu16 x;
-  std::memcpy(&x, p, sizeof(x));
-  vu32 u = __builtin_convertvector(x, vu32) << 16;
-  vf r;
-  std::memcpy(&r, &u, sizeof(r));
-  return r;
-}
+static inline vf load16(const elem_t* p, const float*) { return load_bf16(p); }
 #elif PAGODA_ELEM == 2
 using elem_t = _Float16;
-typedef _Float16 vf16 __attribute__((vector_size(L * 2)));
-static inline vf load16(const elem_t* p, const float*) {
-  vf16 x;
-  std::memcpy(&x, p, sizeof(x));
-  return __builtin_convertvector(x, vf);
-}
+static inline vf load16(const elem_t* p, const float*) { return load_f16(p); }
 #elif PAGODA_ELEM == 3
 using elem_t = int8_t;
 typedef int8_t vi8 __attribute__((vector_size(L)));
