@@ -102,7 +102,8 @@ VERSUS = {
     "packed-weights": "the same steps on oneDNN-packed linear weights (--prepack-weights); leave that flag out",
     "opaque-attention": "with --compile-model, the same steps without the one-stream graph (attention as the "
                         "opaque op)",
-    "no-prefetch": "with the cpp backend, its kernel built without prefetching the next block's K and V",
+    "no-prefetch": "with the cpp backend, its kernel prefetching the next block's K and V (whatever the cache's "
+                   "element size; the engine does for 1- and 2-byte elements) against not prefetching",
     "torch-elementwise": "the elementwise steps as torch ops, not the fused C++ ones (--no-fused-ops)",
     "length-groups": "with the cpp backend, decodes in groups of similar length (as for sdpa), not one group",
     **{f"{name}-attention": f"the same steps with attention backend {name}" for name in ("sdpa", "compiled", "cpp")},
@@ -164,8 +165,10 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
         return {"step": after(use_graph), "opaque-attention": after(drop_graph)}
     if args.versus == "no-prefetch":
         ahead = cpp.PREFETCH_AHEAD
-        cpp.PREFETCH_AHEAD = 0
-        cpp._library_for(engine.runner.kv_caches[0], engine.arch.num_heads)  # built before the timing starts
+        cpp.PREFETCH_MAX_ELEMENT_BYTES = 8  # this side prefetches whatever the cache's element size
+        for n in (ahead, 0):  # both libraries built before the timing starts
+            cpp.PREFETCH_AHEAD = n
+            cpp._library_for(engine.runner.kv_caches[0], engine.arch.num_heads)
 
         def prefetch(n: int) -> Callable[[], None]:
             def run() -> None:

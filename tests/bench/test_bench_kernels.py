@@ -106,14 +106,22 @@ def test_decode_step_versus_the_cpp_paths_alternatives(capsys: pytest.CaptureFix
     """--versus torch-elementwise: the fused C++ elementwise ops alternate with torch's (whose RMSNorm runs
     only on that side: 61 norms a step); --versus length-groups: the cpp backend's one decode group with
     length groups; --versus no-prefetch: its kernel with and without prefetching."""
+    import pagoda.layers.attention.cpp as cpp
     import pagoda.layers.elementwise as elementwise
     from pagoda.bench.decode_step import main
 
     norms: list[int] = []
     torch_norm = elementwise.rms_norm
     monkeypatch.setattr(elementwise, "rms_norm", lambda *a: norms.append(1) or torch_norm(*a))
+    prefetches: set[int] = set()  # the prefetch distances of the kernels decodes ran with
+    library_for = cpp._library_for
+    monkeypatch.setattr(cpp, "_library_for", lambda *a: prefetches.add(cpp._library_args(*a)[-1]) or library_for(*a))
+    for name in ("PREFETCH_AHEAD", "PREFETCH_MAX_ELEMENT_BYTES"):  # the bench changes them: restored after
+        monkeypatch.setattr(cpp, name, getattr(cpp, name))
     argv = ["--num-seqs", "4", "--input-len", "8:20", "--steps", "2", "--rounds", "2", "--versus", versus,
             "--kv-cache-memory", "64MiB", "--attention-backend", "cpp"]
     (row,) = run_module(main, argv, capsys, monkeypatch)
     assert row["versus"] == versus and row["decode_step_ms"] > 0 and row["versus_ms"] > 0
     assert len(norms) == (2 * 2 * 61 if versus == "torch-elementwise" else 0)
+    # the default model's float32 cache is not prefetched, except by the prefetching side of no-prefetch
+    assert prefetches == ({0, 1} if versus == "no-prefetch" else {0})

@@ -36,6 +36,7 @@ _ITEMS_PER_THREAD = 4
 # cache; with float32 caches they were 1.02x slower, so those are not prefetched
 # (`python -m pagoda.bench.decode_step --versus no-prefetch`, BENCHMARKS.md).
 PREFETCH_AHEAD = 1
+PREFETCH_MAX_ELEMENT_BYTES = 2
 # Inductor compiles its own kernels (explicitly vectorized) with the loop vectorizer off and without
 # fused multiply-adds; this kernel relies on the compiler vectorizing its loops, and FMAs are fine.
 _FLAGS = ("-ftree-loop-vectorize", "-ffp-contract=fast")
@@ -54,10 +55,15 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
     return lib
 
 
-def _library_for(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = False) -> Any:
+def _library_args(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = False) -> tuple[Any, ...]:
+    """_library's arguments for this cache layout; the last is the prefetch distance."""
     _, block_size, hkv, d = kv_cache.k.shape
-    return _library(_ELEM[kv_cache.k.dtype], _SCALES[kv_cache.spec.scale_granularity], hkv, num_q_heads // hkv, d,
-                    block_size, portable, PREFETCH_AHEAD if kv_cache.k.element_size() <= 2 else 0)
+    return (_ELEM[kv_cache.k.dtype], _SCALES[kv_cache.spec.scale_granularity], hkv, num_q_heads // hkv, d, block_size,
+            portable, PREFETCH_AHEAD if kv_cache.k.element_size() <= PREFETCH_MAX_ELEMENT_BYTES else 0)
+
+
+def _library_for(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = False) -> Any:
+    return _library(*_library_args(kv_cache, num_q_heads, portable))
 
 
 def write_kv(kv_cache: PagedKVCache, num_q_heads: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -113,8 +119,8 @@ class CppAttentionBackend(KernelBackend):
     name = "cpp"
     kernel_ready = False  # warmup built the kernel for the engine's cache
     # The kernel stops at each sequence's length, so padding a group costs it nothing, while each group is a
-    # kernel call and a scatter of its rows: all decodes go in one group (128-request decode steps 1.06x
-    # faster in float32, 0.99x in bfloat16: `bench.decode_step --versus length-groups`, BENCHMARKS.md).
+    # kernel call and a scatter of its rows: all decodes go in one group (128-request decode steps 1.02x
+    # faster in float32 and bfloat16: `bench.decode_step --versus length-groups`, BENCHMARKS.md).
     # SDPA's path (the fallback) pads, so it keeps the length groups.
     one_group = True
 

@@ -2,8 +2,8 @@
 //
 // Compiled at start-up by pagoda/layers/attention/cpp.py through inductor's C++ code cache (the compiler,
 // ISA flags, OpenMP runtime and on-disk cache torch.compile uses for its own kernels), after
-// pagoda/layers/cpp_vector.h (vf, exp2_neg). The cache layout, head shapes and storage format are
-// compile-time constants, #defined ahead of both:
+// pagoda/layers/cpp_vector.h (vector types, 16-bit loads, exp2_neg). The cache layout, head shapes and
+// storage format are compile-time constants, #defined ahead of both:
 //   PAGODA_HKV, PAGODA_G (query heads per KV head), PAGODA_D (head_dim), PAGODA_BS (block_size),
 //   PAGODA_ELEM: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 fp8 (e4m3),
 //   PAGODA_SCALES: 0 none, 1 a float16 scale per (token, KV head), 2 per (block, KV head);
@@ -71,7 +71,6 @@ static inline vf load16(const elem_t* p, const float* table) {
 #endif
 }
 #endif
-
 
 // Ask for a block's K and V PAGODA_PREFETCH_AHEAD blocks before they are needed (0: never). A block's K
 // and V are each one contiguous run (HKV * D * BS elements), but consecutive blocks of a sequence lie
