@@ -8,22 +8,29 @@ of serving. Prints one JSON line per backend with the milliseconds per call (med
 the effective read bandwidth (K and V bytes of the real context over that time). `compiled` times its
 kernel even below MIN_COMPILED_TOKENS, where the engine would use SDPA instead: that is how the
 threshold was chosen.
+
+One layer's cache stays in this machine's 300 MiB L3 between calls; in a step, every layer's comes from
+memory: `--layers 30` attends 30 caches in turn, as a step does. `--versus-rev REV` alternates calls with the
+C++ kernel as it was at git revision REV, in one process (the machine's speed drifts between runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from pagoda.bench.common import machine_info, parse_range
 from pagoda.config import DTYPES, KV_CACHE_DTYPES
 from pagoda.layers.attention.backend import DecodeGroup, get_attention_backend
+from pagoda.layers.attention.cpp import paged_decode
 from pagoda.layers.attention.paged_kv import PagedKVCache, k_cache_layout
-from pagoda.layers.kv_quant import SCALE_DTYPE, SCALE_GRANULARITIES, kv_cache_spec
+from pagoda.layers.kv_quant import SCALE_DTYPE, SCALE_GRANULARITIES, KVCacheSpec, kv_cache_spec
 
 
 def main() -> None:
@@ -35,43 +42,80 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--kv-cache-scale-granularity", default="token", choices=SCALE_GRANULARITIES)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--layers", type=int, default=1,
+                   help="caches of this many layers, attended in turn as a step does; with 30 (the default model's "
+                        "count) they no longer fit in L3 and come from memory, as in the engine")
+    p.add_argument("--versus-rev", default=None, metavar="REV",
+                   help="cpp only: alternate calls with the kernel as of git revision REV (its cpp_kernel.cpp and "
+                        "cpp_vector.h), in one process, and report both")
     args = p.parse_args()
+    if args.versus_rev is not None and args.backends != "cpp":
+        p.error("--versus-rev compares cpp kernels: use it with --backends cpp")
     dtype, bs, hq, hkv, d = DTYPES[args.dtype], 16, 9, 3, 64
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(args.context[0], args.context[1] + 1, (args.num_seqs,), generator=g)
     width = int(-(-lens.max() // bs))
     num_blocks = 2 * args.num_seqs * width
     spec = kv_cache_spec(args.kv_cache_dtype, dtype, args.kv_cache_scale_granularity)
-    k, v = torch.randn(num_blocks, hkv, d, bs, generator=g), torch.randn(num_blocks, bs, hkv, d, generator=g)
-    if spec.quantized:  # quantized as the engine writes them: one scale per (token or block, KV head)
-        cache = PagedKVCache(k_cache_layout(torch.empty(num_blocks, hkv, d, bs, dtype=spec.storage_dtype)),
-                             torch.empty(num_blocks, bs, hkv, d, dtype=spec.storage_dtype), spec,
-                             *[torch.zeros(spec.scale_shape(num_blocks, bs, hkv) or (), dtype=SCALE_DTYPE)
-                               for _ in range(2)])
-        slots = torch.arange(num_blocks * bs)
-        cache.write(slots, k_cache_layout(k).reshape(-1, hkv, d).to(dtype), v.view(-1, hkv, d).to(dtype))
-    else:
-        cache = PagedKVCache(k_cache_layout(k.to(dtype)), v.to(dtype), spec)
+    caches = [_cache(spec, dtype, num_blocks, bs, hkv, d, g) for _ in range(args.layers)]
     tables = torch.randperm(num_blocks, generator=g)[: args.num_seqs * width].view(args.num_seqs, width)
     group = DecodeGroup(rows=torch.arange(args.num_seqs), block_tables=tables, seq_lens=lens)
     q = torch.randn(args.num_seqs, hq, d, generator=g).to(dtype)
     context_bytes = 2 * int(lens.sum()) * spec.bytes_per_block(bs, hkv, d) // bs
+    common = {"dtype": args.dtype, "kv_cache": spec.name, "num_seqs": args.num_seqs, "context": args.context,
+              "layers": args.layers}
+
+    def timed(decode: Callable[[PagedKVCache], object]) -> Callable[[], float]:
+        def call() -> float:  # ms per layer
+            start = time.perf_counter()
+            for cache in caches:
+                decode(cache)
+            return (time.perf_counter() - start) / args.layers * 1e3
+        return call
+
     for name in args.backends.split(","):
         backend = get_attention_backend(name, dtype)
-        compile_s = backend.warmup(cache, hq, dtype, d**-0.5)
+        compile_s = backend.warmup(caches[0], hq, dtype, d**-0.5)
         # The compiled backend's kernel itself, even for groups it would hand to SDPA in the engine.
         decode = getattr(backend, "kernel_decode", None) or backend.decode  # type: ignore[attr-defined]
-        times = []
+        sides = {"ms_per_call": timed(functools.partial(_call, decode, q, group, d**-0.5))}
+        if args.versus_rev is not None:
+            sides["versus_ms_per_call"] = timed(lambda cache: paged_decode(q, cache, tables, lens, d**-0.5,
+                                                                           rev=args.versus_rev))
+        times: dict[str, list[float]] = {side: [] for side in sides}
         with torch.inference_mode():
-            for _ in range(args.iters + 3):
-                start = time.perf_counter()
-                decode(q, cache, group, d**-0.5)
-                times.append(time.perf_counter() - start)
-        ms = statistics.median(times[3:]) * 1e3
-        print(json.dumps({"backend": name, "dtype": args.dtype, "kv_cache": spec.name, "num_seqs": args.num_seqs,
-                          "context": args.context,
-                          "ms_per_call": round(ms, 3), "read_gb_per_s": round(context_bytes / ms / 1e6, 2),
-                          "compile_s": round(compile_s, 2), "machine": machine_info()}))
+            for i in range(args.iters + 3):
+                for side, call in sides.items():
+                    took = call()
+                    if i >= 3:
+                        times[side].append(took)
+        ms = {side: statistics.median(t) for side, t in times.items()}
+        out: dict[str, object] = {"backend": name, **common, "ms_per_call": round(ms["ms_per_call"], 3),
+                                  "read_gb_per_s": round(context_bytes / ms["ms_per_call"] / 1e6, 2)}
+        if args.versus_rev is not None:
+            out |= {"versus_rev": args.versus_rev, "versus_ms_per_call": round(ms["versus_ms_per_call"], 3),
+                    "versus_over_this": round(ms["versus_ms_per_call"] / ms["ms_per_call"], 3)}
+        print(json.dumps(out | {"compile_s": round(compile_s, 2), "machine": machine_info()}))
+
+
+def _call(decode: Callable[..., object], q: torch.Tensor, group: DecodeGroup, scale: float,
+          cache: PagedKVCache) -> object:
+    return decode(q, cache, group, scale)
+
+
+def _cache(spec: KVCacheSpec, dtype: torch.dtype, num_blocks: int, bs: int, hkv: int, d: int,
+           g: torch.Generator) -> PagedKVCache:
+    k, v = torch.randn(num_blocks, hkv, d, bs, generator=g), torch.randn(num_blocks, bs, hkv, d, generator=g)
+    if not spec.quantized:
+        return PagedKVCache(k_cache_layout(k.to(dtype)), v.to(dtype), spec)
+    # quantized as the engine writes them: one scale per (token or block, KV head)
+    cache = PagedKVCache(k_cache_layout(torch.empty(num_blocks, hkv, d, bs, dtype=spec.storage_dtype)),
+                         torch.empty(num_blocks, bs, hkv, d, dtype=spec.storage_dtype), spec,
+                         *[torch.zeros(spec.scale_shape(num_blocks, bs, hkv) or (), dtype=SCALE_DTYPE)
+                           for _ in range(2)])
+    slots = torch.arange(num_blocks * bs)
+    cache.write(slots, k_cache_layout(k).reshape(-1, hkv, d).to(dtype), v.view(-1, hkv, d).to(dtype))
+    return cache
 
 
 if __name__ == "__main__":

@@ -22,12 +22,21 @@ typedef _Float16 vf16 __attribute__((vector_size(L * 2)));
 
 // Sixteen consecutive bfloat16 (the high halves of float32s) or float16 values as float32.
 static inline vf load_bf16(const uint16_t* p) {
+#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+  // One widening load and a shift: GCC 12 compiles the generic code below to two 8-lane halves put back
+  // together (five instructions), which took a fifth of the decode kernel's bfloat16 time.
+  const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  vf r;
+  std::memcpy(&r, &u, sizeof(r));
+  return r;
+#else
   vu16 x;
   std::memcpy(&x, p, sizeof(x));
   const vu32 u = __builtin_convertvector(x, vu32) << 16;
   vf r;
   std::memcpy(&r, &u, sizeof(r));
   return r;
+#endif
 }
 
 static inline vf load_f16(const _Float16* p) {

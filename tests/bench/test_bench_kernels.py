@@ -37,6 +37,46 @@ def test_decode_attention_times_each_backend(capsys: pytest.CaptureFixture[str],
     assert rows[0]["compile_s"] == 0 and rows[1]["compile_s"] > 0
 
 
+def test_decode_attention_versus_a_git_revision(capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """--versus-rev builds the kernel from the sources at that revision (here HEAD, read through git) and
+    times both sides over --layers caches; --versus-rev needs the cpp backend alone."""
+    import subprocess
+
+    from pagoda.bench.decode_attention import main
+    from pagoda.layers import cpp_build
+
+    if subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not in a git checkout")
+    reads: list[tuple[str, str | None]] = []
+    read = cpp_build._read
+    monkeypatch.setattr(cpp_build, "_read", lambda path, rev: reads.append((path.name, rev)) or read(path, rev))
+    argv = ["--num-seqs", "3", "--context", "20:40", "--iters", "1", "--backends", "cpp", "--layers", "2",
+            "--versus-rev", "HEAD"]
+    rows = run_module(main, argv, capsys, monkeypatch)
+    assert len(rows) == 1 and rows[0]["layers"] == 2 and rows[0]["versus_rev"] == "HEAD"
+    assert rows[0]["ms_per_call"] > 0 and rows[0]["versus_ms_per_call"] > 0
+    assert ("cpp_kernel.cpp", "HEAD") in reads and ("cpp_vector.h", "HEAD") in reads
+    with pytest.raises(SystemExit):
+        run_module(main, ["--backends", "sdpa,cpp", "--versus-rev", "HEAD"], capsys, monkeypatch)
+
+
+def test_kernel_sources_at_a_git_revision() -> None:
+    import subprocess
+    from pathlib import Path
+
+    from pagoda.layers import cpp_build
+
+    header = Path(cpp_build.__file__).with_name("cpp_vector.h")
+    shown = subprocess.run(["git", "show", "HEAD:pagoda/layers/cpp_vector.h"], capture_output=True, text=True)
+    if shown.returncode != 0:
+        pytest.skip("not in a git checkout")
+    assert cpp_build._read(header, "HEAD") == shown.stdout
+    assert cpp_build._read(header, None) == header.read_text()
+    with pytest.raises(ValueError, match="no-such-revision"):
+        cpp_build._read(header, "no-such-revision")
+
+
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
 def test_decode_attention_over_a_quantized_cache(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                                                  kv: str) -> None:

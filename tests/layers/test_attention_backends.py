@@ -69,6 +69,27 @@ def test_cpp_kernel_on_long_scattered_contexts(num_seqs: int) -> None:
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("hkv", "group", "block_size", "d"), [(2, 1, 16, 64), (2, 2, 32, 32), (1, 8, 16, 16),
+                                                                 (4, 4, 16, 48)])
+def test_cpp_kernel_head_shapes(hkv: int, group: int, block_size: int, d: int) -> None:
+    """Head shapes that give the kernel's score loop each of its splits of head_dim into partial sums (DS =
+    4, 2 and 1 in cpp_kernel.cpp), in float32 and bfloat16 caches, against the float64 reference."""
+    from tests.layers.test_kv_quant import make_cache
+
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):
+        g = torch.Generator().manual_seed(hkv * group)
+        cache = make_cache(KVCacheSpec(dtype), num_blocks=64, block_size=block_size, hkv=hkv, d=d)
+        cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+        lens = torch.tensor([1, block_size + 3, 5 * block_size])
+        tables = torch.randperm(64, generator=g)[:15].view(3, 5)
+        q = torch.randn(3, hkv * group, d, generator=g)
+        got = paged_decode(q, cache, tables, lens, d**-0.5)
+        want = paged_decode_attention(q.double(), cache.k.double(), cache.v.double(), None, None, tables, lens,
+                                      d**-0.5)  # from the same (rounded) cache, so float32 arithmetic only
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
 def test_cpp_backend_falls_back_to_sdpa_where_the_kernel_does_not_apply() -> None:
     from tests.layers.test_kv_quant import make_cache
 

@@ -44,11 +44,11 @@ _FLAGS = ("-ftree-loop-vectorize", "-ffp-contract=fast")
 
 @functools.cache
 def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_size: int,
-             portable: bool = False, prefetch_ahead: int = 1) -> Any:
+             portable: bool = False, prefetch_ahead: int = 1, rev: str | None = None) -> Any:
     defines = dict(HKV=hkv, G=group, D=head_dim, BS=block_size, ELEM=elem, SCALES=scales,
                    PREFETCH_AHEAD=prefetch_ahead)
     defines |= {"PORTABLE": 1} if portable else {}
-    lib = load_library(_SOURCE, defines, _FLAGS)
+    lib = load_library(_SOURCE, defines, _FLAGS, rev)
     lib.pagoda_paged_decode.restype = lib.pagoda_write_kv.restype = None
     lib.pagoda_paged_decode.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 3 + [ctypes.c_float]
     lib.pagoda_write_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64]
@@ -56,7 +56,7 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
 
 
 def _library_args(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = False) -> tuple[Any, ...]:
-    """_library's arguments for this cache layout; the last is the prefetch distance."""
+    """_library's arguments for this cache layout; the last is the prefetch distance (rev is left out)."""
     _, block_size, hkv, d = kv_cache.k.shape
     return (_ELEM[kv_cache.k.dtype], _SCALES[kv_cache.spec.scale_granularity], hkv, num_q_heads // hkv, d, block_size,
             portable, PREFETCH_AHEAD if kv_cache.k.element_size() <= PREFETCH_MAX_ELEMENT_BYTES else 0)
@@ -90,10 +90,12 @@ def supports(kv_cache: PagedKVCache, q_dtype: torch.dtype) -> bool:
 
 
 def paged_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """q (B, Hq, D); block_tables (B, W) int64; seq_lens (B,) int64, each >= 1 -> (B, Hq, D) in q's dtype."""
+                 scale: float, rev: str | None = None) -> torch.Tensor:
+    """q (B, Hq, D); block_tables (B, W) int64; seq_lens (B,) int64, each >= 1 -> (B, Hq, D) in q's dtype.
+    rev: the kernel as of that git revision (`bench.decode_attention --versus-rev`)."""
     b, hq, d = q.shape
-    fn = _library_for(kv_cache, hq).pagoda_paged_decode
+    lib = _library_for(kv_cache, hq) if rev is None else _library(*_library_args(kv_cache, hq), rev=rev)
+    fn = lib.pagoda_paged_decode
     width = block_tables.shape[1]
     items = _ITEMS_PER_THREAD * torch.get_num_threads()
     spans = min(width, -(-items // b))  # per sequence
