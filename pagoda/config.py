@@ -62,7 +62,9 @@ class ModelConfig:
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     compile_model: bool = False  # torch.compile the forward pass at start-up (pagoda/model/compiled_forward.py)
     prepack_weights: bool = False  # oneDNN-packed float32/bfloat16 weights for decode batches (pagoda/layers/linear.py)
-    fused_ops: bool = True  # elementwise steps in C++ for float32/16-bit models (pagoda/layers/elementwise.py)
+    # elementwise steps in C++ for float32/16-bit models (pagoda/layers/elementwise.py), and the sampler's plain
+    # rows (pagoda/layers/sampler.py)
+    fused_ops: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -105,6 +105,7 @@ VERSUS = {
     "no-prefetch": "with the cpp backend, its kernel prefetching the next block's K and V (whatever the cache's "
                    "element size; the engine does for 1- and 2-byte elements) against not prefetching",
     "torch-elementwise": "the elementwise steps as torch ops, not the fused C++ ones (--no-fused-ops)",
+    "torch-sampler": "the sampler's torch code for every row, not the C++ pass for plain rows (--no-fused-ops)",
     "length-groups": "with the cpp backend, decodes in groups of similar length (as for sdpa), not one group",
     **{f"{name}-attention": f"the same steps with attention backend {name}" for name in ("sdpa", "compiled", "cpp")},
 }
@@ -192,6 +193,20 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
             return run
 
         return {"step": elementwise(True), "torch-elementwise": elementwise(False)}
+    if args.versus == "torch-sampler":
+        sampler = engine.runner.sampler
+        sampler_lib = sampler.lib
+        if sampler_lib is None:
+            raise SystemExit("--versus torch-sampler needs the sampler's fused pass (the engine's fused ops)")
+
+        def sampling(fused: bool) -> Callable[[], None]:
+            def run() -> None:
+                sampler.lib = sampler_lib if fused else None
+                steps()
+
+            return run
+
+        return {"step": sampling(True), "torch-sampler": sampling(False)}
     if args.versus == "length-groups":
         backend = engine.model.backend
         if not isinstance(backend, CppAttentionBackend):

@@ -1,6 +1,7 @@
 """Time the sampler on one decode step's logits: random rows at temperature 1 over the default
-model's vocabulary, and the inverse-CDF search alone, two-level (what the sampler does) against one
-float64 cumulative sum over the whole vocabulary (what it did before).
+model's vocabulary, with the torch code (`sampler_ms`) and with the C++ pass for plain rows that the
+engine enables (`fused_sampler_ms`); and the torch code's inverse-CDF search alone, two-level (what it
+does) against one float64 cumulative sum over the whole vocabulary (what it did before).
 
     python -m pagoda.bench.sampler --rows 128 [--keep-freed-memory]
 
@@ -58,10 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     u = torch.rand(args.rows, dtype=torch.float64, generator=g)
     if not torch.equal(_inverse_cdf(weights, u), _full_cumsum_search(weights, u)):  # rounding: should not happen
         print("note: the two searches picked different ids for some rows (rounding at a boundary)")
-    sampler = Sampler()
+    sampler, fused = Sampler(), Sampler()
+    fused.enable_fused()
     print(json.dumps({
         "rows": args.rows, "vocab": args.vocab, "keeps_freed_memory": kept,
         "sampler_ms": round(_median_ms(lambda: sampler(logits, rows), args.iters), 2),
+        "fused_sampler_ms": round(_median_ms(lambda: fused(logits, rows), args.iters), 2) if fused.lib else None,
         "two_level_search_ms": round(_median_ms(lambda: _inverse_cdf(weights, u), args.iters), 2),
         "full_float64_cumsum_search_ms": round(_median_ms(lambda: _full_cumsum_search(weights, u), args.iters), 2),
         "machine": machine_info()}))

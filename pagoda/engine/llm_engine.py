@@ -83,6 +83,8 @@ class LLMEngine:
                                  offload.num_slots if offload else 0)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, caches, plan.block_size, offload)
+        if mc.fused_ops:  # outside the forward pass: also with --compile-model
+            self.compile_seconds += self.runner.sampler.enable_fused()
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
         self.stats = EngineStats()

@@ -15,16 +15,30 @@ Order of processing for each row (as vLLM does it):
 
 Returned logprobs are those of the raw model distribution (log_softmax of the logits as given,
 before bias, penalties and temperature), as vLLM reports them by default.
+
+Plain rows (greedy, or random with a temperature and no filter, bias or penalty) can run in one C++ pass
+instead (`sampler.cpp`, once `Sampler.enable_fused` built it): same semantics, its own float32 rounding
+(the source's header says what that changes). Which path a row takes depends on the row alone, so a seed
+still gives the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from pagoda.layers.cpp_build import load_library
 from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -266,8 +280,40 @@ def _row_index(rows: list[int], num_rows: int, device: torch.device) -> torch.Te
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
+_SOURCE = Path(__file__).with_name("sampler.cpp")
+
+
+@functools.cache
+def _library() -> Any:
+    lib = load_library(_SOURCE, {"CHUNK": _CDF_CHUNK})
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.pagoda_sample_plain.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.pagoda_sample_plain.restype = None
+    return lib
+
+
+def _plain(row: SamplingRow, vocab: int) -> bool:
+    """Greedy, or random with no filter; and no bias, min_tokens block or penalty this step."""
+    p = row.params
+    return not _needs_logit_processing(row) and (
+        p.greedy or (p.top_p == 1.0 and not 0 < p.top_k < vocab and p.min_p == 0.0))
+
+
 class Sampler:
     """Stateless: everything a row needs (params, generator, history) comes in its SamplingRow."""
+
+    def __init__(self) -> None:
+        self.lib: Any = None  # sampler.cpp, once enable_fused built it
+
+    def enable_fused(self) -> float:
+        """Build (or load from the cache) the C++ pass for plain rows; its seconds. If building fails
+        (logged), every row keeps the torch path."""
+        start = time.perf_counter()
+        try:
+            self.lib = _library()
+        except Exception as e:  # no C++ compiler, ...
+            logger.warning("could not compile the sampler's fused pass (%s); sampling runs as torch ops", e)
+        return time.perf_counter() - start
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits (num_rows, vocab), float32 or float64 (other dtypes are upcast to float32)."""
@@ -275,26 +321,61 @@ class Sampler:
             raise ValueError(f"expected logits of shape ({len(rows)}, vocab), got {tuple(logits.shape)}")
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()
-
-        processed = apply_logit_processing(logits, rows)
-
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        if greedy:
-            idx = _row_index(greedy, len(rows), logits.device)
-            token_ids[idx] = processed[idx].argmax(dim=-1)  # ties: lowest id
-        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if rand:
-            idx = _row_index(rand, len(rows), logits.device)
-            token_ids[idx] = _sample_random(processed[idx], [rows[i] for i in rand])
-
-        # Raw logprob of the chosen tokens: logit - logsumexp, without a (num_rows, vocab) result.
-        chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+        n, vocab = logits.shape
+        token_ids = torch.empty(n, dtype=torch.long, device=logits.device)
+        logprobs = torch.empty(n, dtype=torch.float64, device=logits.device)
+        fused = []
+        if self.lib is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
+            fused = [i for i, r in enumerate(rows) if _plain(r, vocab)]
+        if fused:
+            self._sample_plain(logits, rows, fused, token_ids, logprobs)
+        taken = set(fused)
+        rest = [i for i in range(n) if i not in taken]
+        if rest:
+            idx = _row_index(rest, n, logits.device)
+            ids, lps = _sample_torch(logits[idx], [rows[i] for i in rest])
+            token_ids[idx], logprobs[idx] = ids, lps.to(torch.float64)
         return SamplerOutput(
             token_ids=token_ids.tolist(),
-            logprobs=chosen.tolist(),
+            logprobs=logprobs.tolist(),
             top_logprobs=_top_logprobs(logits, token_ids, rows),
         )
+
+    def _sample_plain(self, logits: torch.Tensor, rows: list[SamplingRow], which: list[int],
+                      token_ids: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """The C++ pass over rows `which` of logits (float32, on the CPU); fills their token ids and logprobs."""
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        n, vocab = len(which), logits.shape[1]
+        picks = torch.tensor(which, dtype=torch.long)
+        temps = torch.tensor([rows[i].params.temperature for i in which], dtype=torch.float32)
+        # one draw per random row from its own generator, as the torch path draws it (greedy rows draw none)
+        u = torch.tensor([0.0 if rows[i].params.greedy else float(
+            torch.rand((), dtype=torch.float64, generator=rows[i].generator, device=rows[i].generator.device))
+            for i in which], dtype=torch.float64)
+        ids = torch.empty(n, dtype=torch.long)
+        lps = torch.empty(n, dtype=torch.float64)
+        work = torch.empty(n * -(-vocab // _CDF_CHUNK), dtype=torch.float64)
+        self.lib.pagoda_sample_plain(logits.data_ptr(), picks.data_ptr(), n, vocab, logits.stride(0),
+                                     temps.data_ptr(), u.data_ptr(), ids.data_ptr(), lps.data_ptr(), work.data_ptr())
+        token_ids[picks], logprobs[picks] = ids, lps
+
+
+def _sample_torch(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path for rows of logits (r, vocab): token ids (r,) and their raw logprobs (r,)."""
+    processed = apply_logit_processing(logits, rows)
+    token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        idx = _row_index(greedy, len(rows), logits.device)
+        token_ids[idx] = processed[idx].argmax(dim=-1)  # ties: lowest id
+    rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if rand:
+        idx = _row_index(rand, len(rows), logits.device)
+        token_ids[idx] = _sample_random(processed[idx], [rows[i] for i in rand])
+    # Raw logprob of the chosen tokens: logit - logsumexp, without a (num_rows, vocab) result.
+    chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+    return token_ids, chosen
 
 
 def prompt_logprobs(

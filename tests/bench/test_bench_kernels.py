@@ -104,7 +104,8 @@ def test_sampler_bench_times_both_searches(capsys: pytest.CaptureFixture[str],
 
     rows = run_module(main, ["--rows", "4", "--vocab", "1000", "--iters", "1"], capsys, monkeypatch)
     assert len(rows) == 1 and rows[0]["rows"] == 4 and rows[0]["keeps_freed_memory"] is False
-    assert all(rows[0][k] > 0 for k in ("sampler_ms", "two_level_search_ms", "full_float64_cumsum_search_ms"))
+    assert all(rows[0][k] > 0 for k in ("sampler_ms", "fused_sampler_ms", "two_level_search_ms",
+                                        "full_float64_cumsum_search_ms"))
 
 
 @pytest.mark.parametrize("versus", ["weights-read", "packed-weights"])
@@ -140,15 +141,22 @@ def test_decode_step_versus_another_attention_backend(capsys: pytest.CaptureFixt
     assert len(calls) >= 1 + 2 * 2 * 30 and (len(calls) - 1) % 30 == 0
 
 
-@pytest.mark.parametrize("versus", ["torch-elementwise", "length-groups", "no-prefetch"])
+@pytest.mark.parametrize("versus", ["torch-elementwise", "length-groups", "no-prefetch", "torch-sampler"])
 def test_decode_step_versus_the_cpp_paths_alternatives(capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch, versus: str) -> None:
     """--versus torch-elementwise: the fused C++ elementwise ops alternate with torch's (whose RMSNorm runs
     only on that side: 61 norms a step); --versus length-groups: the cpp backend's one decode group with
-    length groups; --versus no-prefetch: its kernel with and without prefetching."""
+    length groups; --versus no-prefetch: its kernel with and without prefetching; --versus torch-sampler: the
+    sampler's torch code (4 rows a step) on that side only."""
     import pagoda.layers.attention.cpp as cpp
     import pagoda.layers.elementwise as elementwise
+    import pagoda.layers.sampler as sampler
     from pagoda.bench.decode_step import main
+
+    torch_sampled: list[int] = []
+    sample_torch = sampler._sample_torch
+    monkeypatch.setattr(sampler, "_sample_torch",
+                        lambda lo, rows: torch_sampled.append(len(rows)) or sample_torch(lo, rows))
 
     norms: list[int] = []
     torch_norm = elementwise.rms_norm
@@ -163,5 +171,6 @@ def test_decode_step_versus_the_cpp_paths_alternatives(capsys: pytest.CaptureFix
     (row,) = run_module(main, argv, capsys, monkeypatch)
     assert row["versus"] == versus and row["decode_step_ms"] > 0 and row["versus_ms"] > 0
     assert len(norms) == (2 * 2 * 61 if versus == "torch-elementwise" else 0)
+    assert torch_sampled == ([4] * 2 * 2 if versus == "torch-sampler" else [])
     # the default model's float32 cache is not prefetched, except by the prefetching side of no-prefetch
     assert prefetches == ({0, 1} if versus == "no-prefetch" else {0})

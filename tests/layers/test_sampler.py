@@ -23,6 +23,22 @@ from pagoda.sampling_params import SamplingParams
 VOCAB = 50
 
 
+@pytest.fixture(params=["torch", "fused"], autouse=True)
+def sampler_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs twice: with the torch code only, and with the C++ pass taking the plain rows (greedy,
+    or random without filter, bias or penalty) of every Sampler() it makes."""
+    if request.param == "fused":
+        init = Sampler.__init__
+
+        def fused_init(self: Sampler) -> None:
+            init(self)
+            self.enable_fused()
+            assert self.lib is not None
+
+        monkeypatch.setattr(Sampler, "__init__", fused_init)
+    return str(request.param)
+
+
 def _row(
     output: Sequence[int] = (),
     prompt: Sequence[int] = (1, 2, 3),
@@ -302,3 +318,81 @@ def test_random_sampling_follows_the_distribution_over_a_large_vocab() -> None:
     # 4 standard deviations of a frequency of 4,000 draws is at most 0.031
     assert torch.allclose(counts[[3, 400, 401, 999]], torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64),
                           atol=0.031)
+
+
+def _fused_sampler() -> Sampler:
+    sampler = Sampler()
+    sampler.enable_fused()
+    assert sampler.lib is not None
+    return sampler
+
+
+def test_plain_rows_take_the_fused_pass_and_others_the_torch_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pagoda.layers.sampler as sampler_module
+
+    sampler, seen = _fused_sampler(), []
+    torch_path = sampler_module._sample_torch
+    monkeypatch.setattr(sampler_module, "_sample_torch",
+                        lambda lo, rows: seen.append(len(rows)) or torch_path(lo, rows))
+    rows = [_row(temperature=0.0), _row(temperature=0.7, seed=1), _row(temperature=1.0, top_k=3, seed=2),
+            _row(temperature=0.0, logit_bias={1: 1.0}), _row(temperature=1.0, top_k=VOCAB, seed=3)]
+    sampler(_logits(5), rows)
+    assert seen == [2]  # top_k 3 and the logit bias; top_k == vocab is no filter
+    seen.clear()
+    sampler(_logits(5).double(), rows)  # float64 logits: the torch code for every row
+    assert seen == [5]
+
+
+def test_fused_pass_agrees_with_the_torch_code() -> None:
+    """Same draws, same logits: the same tokens (a difference needs a draw within float32 rounding of a
+    boundary between two tokens; none falls there with these seeds) and logprobs within rounding."""
+    logits = torch.randn(64, 3000, generator=torch.Generator().manual_seed(0)) * 4
+    logits[5, 100:2000] = float("-inf")  # masked entries: probability 0
+    for t in (0.0, 0.3, 1.0, 1.7):
+        rows = [_row(temperature=t, seed=s) for s in range(64)]
+        torch_out = _sample_torch_only(logits, rows)
+        fused_out = _fused_sampler()(logits, [_row(temperature=t, seed=s) for s in range(64)])
+        assert fused_out.token_ids == torch_out.token_ids, t
+        assert fused_out.logprobs == pytest.approx(torch_out.logprobs, abs=1e-5)
+        assert not 100 <= fused_out.token_ids[5] < 2000
+    greedy = _fused_sampler()(logits, [_row(temperature=0.0) for _ in range(64)]).token_ids
+    assert greedy == logits.argmax(dim=-1).tolist()
+
+
+def _sample_torch_only(logits: torch.Tensor, rows: list[SamplingRow]) -> Any:
+    sampler = Sampler()
+    sampler.lib = None
+    return sampler(logits, rows)
+
+
+def test_fused_pass_on_a_strided_subset_and_broken_rows() -> None:
+    """Rows picked out of a larger batch (a view with a row stride), a vocabulary that is not whole vectors,
+    and rows the model broke (NaN, all -inf): tokens stay in the vocabulary and the engine goes on."""
+    base = torch.randn(6, 1003, generator=torch.Generator().manual_seed(1))
+    base[1] = float("nan")
+    base[2] = float("-inf")
+    base[3, 1002] = 50.0  # the tail, past the last whole vector
+    logits = base[:, :1003]
+    out = _fused_sampler()(logits, [_row(temperature=t, seed=i) for i, t in enumerate((0.0, 1.0, 1.0, 0.5, 0.0, 2.0))])
+    assert all(0 <= t < 1003 for t in out.token_ids)
+    assert out.token_ids[0] == int(base[0].argmax()) and out.token_ids[3] == 1002
+    assert out.token_ids[4] == int(base[4].argmax())
+
+
+def test_a_plain_seeded_row_gives_the_same_tokens_whatever_the_batch() -> None:
+    sampler = _fused_sampler()
+
+    def tokens(others: list[dict[str, Any]], where: int) -> list[int]:
+        gen, out = torch.Generator().manual_seed(77), []
+        other_gens = [torch.Generator().manual_seed(i) for i in range(len(others))]
+        for step in range(20):
+            rows = [_row(generator=other_gens[i], **p) for i, p in enumerate(others)]
+            rows.insert(where, _row(temperature=0.9, generator=gen))
+            lo = _logits(len(rows), seed=500 + step)
+            lo[where] = _logits(1, seed=step)[0]
+            out.append(sampler(lo, rows).token_ids[where])
+        return out
+
+    alone = tokens([], 0)
+    assert tokens([dict(temperature=1.0, top_p=0.5), dict(temperature=0.0, repetition_penalty=1.2)], 1) == alone
+    assert len(set(alone)) > 3
