@@ -61,7 +61,9 @@ class ModelConfig:
     seed: int = 0  # seeds the generators of requests that give no seed
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     compile_model: bool = False  # torch.compile the forward pass at start-up (pagoda/model/compiled_forward.py)
-    prepack_weights: bool = False  # oneDNN-packed float32/bfloat16 weights for decode batches (pagoda/layers/linear.py)
+    # oneDNN-packed float32/bfloat16 weights for decode-sized steps (pagoda/layers/linear.py). None (auto): for
+    # bfloat16 models whose packed copy takes at most PREPACK_AUTO_MAX_BYTES, not with compile_model
+    prepack_weights: bool | None = None
     # elementwise steps in C++ for float32/16-bit models (pagoda/layers/elementwise.py), and the sampler's plain
     # rows (pagoda/layers/sampler.py)
     fused_ops: bool = True

@@ -47,7 +47,8 @@ def main() -> None:
     p.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS)
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--compile-model", action="store_true", help="torch.compile the forward pass")
-    p.add_argument("--prepack-weights", action="store_true", help="oneDNN-packed linear weights")
+    p.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="oneDNN-packed linear weights (default: the engine's choice, on for bfloat16)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (default: the engine's)")
     p.add_argument("--torch-profile", action="store_true",
@@ -63,8 +64,10 @@ def main() -> None:
     if args.no_grouping:
         attention_backend.DECODE_GROUP_PADDING = float("inf")
     engine = LLM(attention_backend=args.attention_backend, dtype=args.dtype, compile_model=args.compile_model,
-                 kv_cache_memory=args.kv_cache_memory, prepack_weights=args.prepack_weights,
+                 kv_cache_memory=args.kv_cache_memory,
+                 prepack_weights=False if args.versus == "packed-weights" else args.prepack_weights,
                  kv_cache_dtype=args.kv_cache_dtype).engine
+    packed = any("forward" in vars(m) for m in engine.model.modules() if isinstance(m, torch.nn.Linear))
     rng = random.Random(0)
     for i in range(args.num_seqs):
         prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(*args.input_len))]
@@ -91,7 +94,7 @@ def main() -> None:
     print(json.dumps({"num_seqs": args.num_seqs, "input_len": args.input_len, "gather": args.gather,
                       "grouping": not args.no_grouping, "attention_backend": args.attention_backend,
                       "dtype": args.dtype, "compile_model": args.compile_model,
-                      "prepack_weights": args.prepack_weights, "kv_cache_dtype": args.kv_cache_dtype,
+                      "prepack_weights": packed, "kv_cache_dtype": args.kv_cache_dtype,
                       "startup_compile_s": round(engine.compile_seconds, 1),
                       "kv_cache_blocks": engine.limits.kv.num_blocks, "rounds": args.rounds,
                       "decode_step_ms": round(ms, 1), **extra}))
@@ -99,7 +102,8 @@ def main() -> None:
 
 VERSUS = {
     "weights-read": "reading a buffer as large as the linear weights, the bandwidth floor of a decode step",
-    "packed-weights": "the same steps on oneDNN-packed linear weights (--prepack-weights); leave that flag out",
+    "packed-weights": "the same steps on oneDNN-packed linear weights (--prepack-weights) against plain ones; "
+                      "leave that flag out",
     "opaque-attention": "with --compile-model, the same steps without the one-stream graph (attention as the "
                         "opaque op)",
     "no-prefetch": "with the cpp backend, its kernel prefetching the next block's K and V (whatever the cache's "
@@ -137,8 +141,8 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
 
         return {"step": steps, "weights-read": read}
     if args.versus == "packed-weights":
-        if args.prepack_weights:
-            raise SystemExit("--versus packed-weights packs the weights itself: leave out --prepack-weights")
+        if args.prepack_weights is not None:
+            raise SystemExit("--versus packed-weights packs the weights itself: leave out --[no-]prepack-weights")
         prepack_linears(engine.model)
         packed = {m: vars(m)["forward"] for m in linears if "forward" in vars(m)}
 

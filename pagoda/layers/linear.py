@@ -35,6 +35,25 @@ def _packed_forward(layer: nn.Linear, packed: torch.Tensor, rows: range) -> Call
     return forward
 
 
+# `prepack_weights` left to the engine (None) packs bfloat16 models whose copy takes at most this much: the
+# 128-request workload ran 1.23x and 1.31x faster end to end with the default model (+270 MB), while larger
+# models' copies cost more memory for a share of the step that was not measured (BENCHMARKS.md).
+PREPACK_AUTO_MAX_BYTES = 1 << 30
+
+
+def should_prepack(model: nn.Module, dtype: torch.dtype, asked: bool | None, compile_model: bool) -> bool:
+    """Whether the engine packs the model's linears: as asked, or by default (asked is None) for bfloat16
+    models whose copy fits PREPACK_AUTO_MAX_BYTES, except with compile_model (whose graph cannot branch on
+    the token count)."""
+    if asked is not None:
+        return asked
+    if dtype != torch.bfloat16 or compile_model or not torch.backends.mkldnn.is_available():
+        return False
+    copy = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if isinstance(m, nn.Linear) and m.weight.dtype in PACKED_ROWS)
+    return copy <= PREPACK_AUTO_MAX_BYTES
+
+
 def prepack_linears(model: nn.Module) -> tuple[int, range | None]:
     """Gives every float32 or bfloat16 nn.Linear of the model a oneDNN-packed copy of its weight, used for
     PACKED_ROWS[dtype] rows; returns the bytes the copies take and the rows they serve ((0, None) if

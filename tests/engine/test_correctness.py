@@ -93,6 +93,24 @@ def test_all_together_with_preemption(tiny_model: tuple[str, Path], reference: l
     assert metrics["kv_blocks_in_use"] == 0
 
 
+def test_prepack_weights_by_default_for_small_bfloat16_models(tiny_model: tuple[str, Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepack_weights left to the engine: bfloat16 models are packed, float32 ones are not, nor a bfloat16
+    model whose copy would exceed PREPACK_AUTO_MAX_BYTES; asking decides either way."""
+    from torch import nn
+
+    import pagoda.layers.linear as linear
+
+    def packed(**kwargs: object) -> bool:
+        model = LLM(str(tiny_model[1]), **kwargs).engine.model
+        return any("forward" in vars(m) for m in model.modules() if isinstance(m, nn.Linear))
+
+    assert packed(dtype="bfloat16") and not packed(dtype="float32")
+    assert packed(dtype="float32", prepack_weights=True) and not packed(dtype="bfloat16", prepack_weights=False)
+    monkeypatch.setattr(linear, "PREPACK_AUTO_MAX_BYTES", 1024)
+    assert not packed(dtype="bfloat16") and packed(dtype="bfloat16", prepack_weights=True)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prepacked_weights_match_plain(tiny_model: tuple[str, Path], dtype: str) -> None:
     """--prepack-weights: oneDNN-packed linears (3-96-token steps in float32, 1-1024 in bfloat16) give the
@@ -100,7 +118,8 @@ def test_prepacked_weights_match_plain(tiny_model: tuple[str, Path], dtype: str)
     from torch import nn
 
     kwargs = {"dtype": dtype, "max_num_batched_tokens": 48}
-    plain = LLM(str(tiny_model[1]), **kwargs).generate(prompts(), greedy_params(), use_tqdm=False)
+    plain = LLM(str(tiny_model[1]), prepack_weights=False, **kwargs).generate(prompts(), greedy_params(),
+                                                                                use_tqdm=False)
     packed_llm = LLM(str(tiny_model[1]), prepack_weights=True, **kwargs)
     linears = [m for m in packed_llm.engine.model.modules() if isinstance(m, nn.Linear)]
     assert linears and all("forward" in vars(m) for m in linears)  # every linear got the packed path
