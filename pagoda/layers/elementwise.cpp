@@ -8,9 +8,10 @@
 //
 // Numerics follow the torch code they replace (pagoda/layers/layernorm.py, rotary.py, the Llama MLP), op by
 // op: arithmetic in float32, each torch op's result rounded to the model dtype where torch rounds it (rnd),
-// and no fused multiply-adds (inductor compiles with -ffp-contract=off). Rotary and the residual add are
-// then bit-identical to torch's; RMSNorm's sum of squares is added in another order, and SiLU's exp is a
-// polynomial (exp2_neg) where torch calls Sleef: both within float32 rounding of torch.
+// and no fused multiply-adds (inductor compiles with -ffp-contract=off) except the explicit ones (madd) of
+// SiLU's exp polynomial and reciprocal. Rotary and the residual add are then bit-identical to torch's;
+// RMSNorm's sum of squares is added in another order, and SiLU's exp is a polynomial (exp2_neg) where
+// torch calls Sleef: both within float32 rounding of torch.
 
 // to_f / from_f: one element to and from float32; load / store: 16 of them, as one vector (GCC turns
 // lane-by-lane code into scalar instructions, so every loop below works on whole vectors, with a scalar
@@ -138,13 +139,14 @@ extern "C" void pagoda_rotary(elem_t* q, int64_t qs, int64_t hq, elem_t* k, int6
 // of one gate_up projection, or two tensors of the same strides). As F.silu(gate) * up: silu(g) =
 // g * sigmoid(g) rounded to the dtype, then the product rounded. sigmoid through e = exp(-|g|) <= 1.
 // 1 / d: a division is the costliest instruction here (AVX-512's takes ~16 cycles per vector); its
-// 14-bit reciprocal estimate refined by one Newton step is within float32 rounding, for 3 instructions.
+// 14-bit reciprocal estimate refined by one Newton step (a fused multiply-add and a multiply) is within
+// float32 rounding, for 3 instructions.
 static inline vf reciprocal(vf d) {
 #if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
   vf r;
   const __m512 e = _mm512_rcp14_ps(reinterpret_cast<__m512&>(d));
   std::memcpy(&r, &e, sizeof(r));
-  return r * (2.0f - d * r);
+  return r * madd(vf{} - d, r, vf{} + 2.0f);
 #else
   return 1.0f / d;
 #endif

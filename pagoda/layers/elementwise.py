@@ -30,10 +30,10 @@ _ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @functools.cache
-def _library(elem: int, portable: bool = False) -> Any:
+def _library(elem: int, portable: bool = False, rev: str | None = None) -> Any:
     """portable: without AVX-512 intrinsics even where the compiler targets AVX-512 (the code other CPUs
-    run; tests build it)."""
-    lib = load_library(_SOURCE, {"ELEM": elem} | ({"PORTABLE": 1} if portable else {}))
+    run; tests build it). rev: the sources as of that git revision (`bench.elementwise --versus-rev`)."""
+    lib = load_library(_SOURCE, {"ELEM": elem} | ({"PORTABLE": 1} if portable else {}), rev=rev)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_add_rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.pagoda_rotary.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]

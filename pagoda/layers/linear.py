@@ -1,4 +1,5 @@
-"""Linear layers on oneDNN-packed weights for decode-sized batches (`--prepack-weights`).
+"""Linear layers on oneDNN-packed weights for decode-sized batches (`--prepack-weights`; by default for
+bfloat16 models whose packed copy takes at most PREPACK_AUTO_MAX_BYTES).
 
 With M rows (the requests of a decode step), `F.linear` on a plain weight costs far more than reading
 the weight. oneDNN on the same weights reordered once into its blocked layout does better, by dtype

@@ -313,7 +313,10 @@ class Sampler:
             self.lib = _library()
         except Exception as e:  # no C++ compiler, ...
             logger.warning("could not compile the sampler's fused pass (%s); sampling runs as torch ops", e)
-        return time.perf_counter() - start
+            return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        logger.info("sampler's fused pass ready in %.1f s", seconds)
+        return seconds
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits (num_rows, vocab), float32 or float64 (other dtypes are upcast to float32)."""

@@ -61,6 +61,20 @@ def test_decode_attention_versus_a_git_revision(capsys: pytest.CaptureFixture[st
         run_module(main, ["--backends", "sdpa,cpp", "--versus-rev", "HEAD"], capsys, monkeypatch)
 
 
+def test_elementwise_bench_times_each_op_on_each_side(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    from pagoda.bench.elementwise import main
+
+    rows = run_module(main, ["--tokens", "16", "--iters", "1", "--dtype", "float32"], capsys, monkeypatch)
+    assert [r["op"] for r in rows] == ["add_rms_norm", "rotary", "silu_mul"]
+    assert all(r["cpp_ms"] > 0 and r["torch_ms"] > 0 and "rev_ms" not in r for r in rows)
+    if subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True).returncode == 0:
+        rows = run_module(main, ["--tokens", "16", "--iters", "1", "--versus-rev", "HEAD"], capsys, monkeypatch)
+        assert all(r["rev_ms"] > 0 and r["versus_rev"] == "HEAD" for r in rows)
+
+
 def test_kernel_sources_at_a_git_revision() -> None:
     import subprocess
     from pathlib import Path

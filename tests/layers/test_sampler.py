@@ -396,3 +396,19 @@ def test_a_plain_seeded_row_gives_the_same_tokens_whatever_the_batch() -> None:
     alone = tokens([], 0)
     assert tokens([dict(temperature=1.0, top_p=0.5), dict(temperature=0.0, repetition_penalty=1.2)], 1) == alone
     assert len(set(alone)) > 3
+
+
+def test_a_failed_build_leaves_every_row_to_the_torch_code(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    import pagoda.layers.sampler as sampler_module
+
+    def fail() -> None:
+        raise RuntimeError("no compiler")
+
+    sampler = Sampler()  # (built by the autouse fixture's fused side, before _library fails)
+    sampler.lib = None
+    monkeypatch.setattr(sampler_module, "_library", fail)
+    sampler.enable_fused()
+    assert sampler.lib is None and "no compiler" in caplog.text
+    logits = _logits(3)
+    assert sampler(logits, [_row(temperature=0.0) for _ in range(3)]).token_ids == logits.argmax(dim=-1).tolist()
