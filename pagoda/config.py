@@ -64,8 +64,8 @@ class ModelConfig:
     # oneDNN-packed float32/bfloat16 weights for decode-sized steps (pagoda/layers/linear.py). None (auto): for
     # bfloat16 models whose packed copy takes at most PREPACK_AUTO_MAX_BYTES, not with compile_model
     prepack_weights: bool | None = None
-    # elementwise steps in C++ for float32/16-bit models (pagoda/layers/elementwise.py), and the sampler's plain
-    # rows (pagoda/layers/sampler.py)
+    # elementwise steps in C++ for float32/16-bit models (pagoda/layers/elementwise.py), the sampler's plain rows
+    # (pagoda/layers/sampler.py) and bfloat16 linears of 1-4-row steps (pagoda/layers/gemv.cpp)
     fused_ops: bool = True
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ from pagoda.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.layers.attention import AttentionBackend, cpp, get_attention_backend
 from pagoda.layers.attention.cpp import CppAttentionBackend
-from pagoda.layers.linear import prepack_linears
+from pagoda.layers.linear import is_packed, prepack_linears
 
 
 def _advanced_indexing(data: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -67,7 +67,7 @@ def main() -> None:
                  kv_cache_memory=args.kv_cache_memory,
                  prepack_weights=False if args.versus == "packed-weights" else args.prepack_weights,
                  kv_cache_dtype=args.kv_cache_dtype).engine
-    packed = any("forward" in vars(m) for m in engine.model.modules() if isinstance(m, torch.nn.Linear))
+    packed = any(is_packed(m) for m in engine.model.modules() if isinstance(m, torch.nn.Linear))
     rng = random.Random(0)
     for i in range(args.num_seqs):
         prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(*args.input_len))]
@@ -144,15 +144,15 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
         if args.prepack_weights is not None:
             raise SystemExit("--versus packed-weights packs the weights itself: leave out --[no-]prepack-weights")
         prepack_linears(engine.model)
-        packed = {m: vars(m)["forward"] for m in linears if "forward" in vars(m)}
+        packed = {m: m._pagoda_packed for m in linears if is_packed(m)}
 
         def pack() -> None:
-            for m, forward in packed.items():
-                m.forward = forward  # type: ignore[method-assign]
+            for m, weight in packed.items():
+                m._pagoda_packed = weight
 
         def unpack() -> None:
             for m in packed:
-                vars(m).pop("forward", None)
+                m._pagoda_packed = None  # type: ignore[assignment]
 
         return {"step": after(unpack), "packed-weights": after(pack)}
     if args.versus == "opaque-attention":

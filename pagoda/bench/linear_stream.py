@@ -4,7 +4,8 @@ of float32 weights from memory as the model does, for M rows (the requests in a 
 
 Compares `F.linear` on plain weights (what the model runs) with oneDNN on weights reordered once into
 its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`), the format
-inductor's freezing uses. Prints one JSON line per row count: best of --repeats, in milliseconds.
+inductor's freezing uses, and in bfloat16 at 1-4 rows with the engine's C++ GEMV (`gemv_ms`). Prints one
+JSON line per row count: best of --repeats, in milliseconds.
 
     python -m pagoda.bench.linear_stream --rows 1,4,16,64
 """
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.bench.common import machine_info
+from pagoda.layers.linear import GEMV_MAX_ROWS, _gemv_for, _gemv_library
 
 HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # (out, in)
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     weights.append((torch.randn(VOCAB, HIDDEN, generator=g) * 0.02).to(dtype))  # lm_head
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
+    # bfloat16, 1-GEMV_MAX_ROWS rows: also the C++ GEMV that the engine uses there (gemv.cpp)
+    gemv = _gemv_for(_gemv_library()) if dtype == torch.bfloat16 else None
     with torch.inference_mode():
         for m in (int(r) for r in args.rows.split(",")):
             inputs = {k: torch.randn(m, k, generator=g).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
@@ -64,9 +68,19 @@ def main(argv: list[str] | None = None) -> None:
                 return [linear_pointwise(x, pw, None, "none", [], "") for x, pw in zip(xs, packed, strict=True)]
 
             plain, onednn = _best_ms(plain_step, args.repeats), _best_ms(onednn_step, args.repeats)
-            print(json.dumps({"rows": m, "dtype": args.dtype, "layers": args.layers, "linear_ms": round(plain, 2),
-                              "onednn_packed_ms": round(onednn, 2), "ratio": round(plain / onednn, 3),
-                              "machine": machine_info()}))
+            row: dict[str, object] = {"rows": m, "dtype": args.dtype, "layers": args.layers,
+                                      "linear_ms": round(plain, 2), "onednn_packed_ms": round(onednn, 2),
+                                      "ratio": round(plain / onednn, 3)}
+            if gemv is not None and m <= GEMV_MAX_ROWS:
+                for w in weights[:7] + weights[-1:]:
+                    torch.testing.assert_close(gemv(inputs[w.shape[1]], w, None), F.linear(inputs[w.shape[1]], w),
+                                               rtol=tol, atol=tol)
+
+                def gemv_step(xs: list[torch.Tensor] = xs) -> object:
+                    return [gemv(x, w, None) for x, w in zip(xs, weights, strict=True)]
+
+                row["gemv_ms"] = round(_best_ms(gemv_step, args.repeats), 2)
+            print(json.dumps(row | {"machine": machine_info()}))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pagoda.core.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.output_processor import ParentState, new_parent
 from pagoda.layers.attention import PagedKVCache, get_attention_backend
-from pagoda.layers.linear import prepack_linears, should_prepack
+from pagoda.layers.linear import enable_gemv, prepack_linears, should_prepack
 from pagoda.model.loader import load_model
 from pagoda.outputs import RequestOutput
 from pagoda.profiler import NULL_PROFILER, StepProfiler
@@ -69,6 +69,7 @@ class LLMEngine:
             self.compile_seconds += self.model.enable_compiled_forward(caches)
         elif mc.fused_ops:
             self.compile_seconds += self.model.enable_fused_ops(mc.torch_dtype)
+            self.compile_seconds += enable_gemv(self.model)  # bfloat16 linears only
         if should_prepack(self.model, mc.torch_dtype, mc.prepack_weights, mc.compile_model):
             added, rows = prepack_linears(self.model)
             if rows is not None:

@@ -39,8 +39,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="compile the forward pass with torch.compile at start-up (attention stays eager); "
                         "needs a C++ compiler")
     g.add_argument("--no-fused-ops", dest="fused_ops", action="store_false",
-                   help="run the elementwise steps (residual add + RMSNorm, rotary, SiLU-and-multiply) and the "
-                        "sampler's plain rows as torch ops instead of fused C++ loops (compiled at start-up)")
+                   help="run the elementwise steps (residual add + RMSNorm, rotary, SiLU-and-multiply), the "
+                        "sampler's plain rows and bfloat16 linears of 1-4-row steps as torch / oneDNN ops instead "
+                        "of our C++ loops (compiled at start-up)")
     g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="keep a oneDNN-packed copy of each linear weight and use it for steps of 3-96 tokens "
                         "(float32) or 1-1024 tokens (bfloat16): 1.1-1.7x faster matmuls there; twice the weight "

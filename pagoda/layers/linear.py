@@ -11,29 +11,110 @@ So each packed layer keeps both copies and picks by the number of rows: the pack
 PACKED_ROWS[dtype], the plain one otherwise (one float32 stream, large prompt chunks). The cost is a
 second copy of every linear weight (the tied lm_head included). Results differ from F.linear by float
 rounding only. Not combined with --compile-model, whose graph would have to branch on the token count.
+
+For one stream (1-GEMV_MAX_ROWS rows) of a bfloat16 model, oneDNN packed or not reads the weights at about
+a third of the memory's speed; a GEMV of our own (`gemv.cpp`, enabled with the fused ops) streams them
+instead, and takes those steps before the packed weight.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers.cpp_build import load_library
+
+logger = logging.getLogger(__name__)
+
 # rows (tokens in the step) that use the packed weight, per weight dtype; measured, see above
 PACKED_ROWS: dict[torch.dtype, range] = {torch.float32: range(3, 97), torch.bfloat16: range(1, 1025)}
 
 
-def _packed_forward(layer: nn.Linear, packed: torch.Tensor, rows: range) -> Callable[[torch.Tensor], torch.Tensor]:
+# Rows (tokens in the step) that bfloat16 linears give to the C++ GEMV (gemv.cpp) once enable_gemv built it:
+# one stream's step, 2.0x faster than oneDNN on the default model's weights (BENCHMARKS.md).
+GEMV_MAX_ROWS = 4
+
+
+def _forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The forward of a linear with the paths this module adds, each taken where it applies: the C++ GEMV
+    (layer._pagoda_gemv, set by enable_gemv) for 1-GEMV_MAX_ROWS rows, the oneDNN-packed weight
+    (layer._pagoda_packed, set by prepack_linears) for PACKED_ROWS, F.linear otherwise."""
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] in rows:
+        rows = x.shape[0] if x.dim() == 2 else 0
+        gemv: Any = layer._pagoda_gemv
+        if gemv is not None and 1 <= rows <= GEMV_MAX_ROWS and x.dtype == layer.weight.dtype and x.is_contiguous():
+            return gemv(x, layer.weight, layer.bias)
+        packed = layer._pagoda_packed
+        if packed is not None and rows in PACKED_ROWS[layer.weight.dtype]:
             return linear_pointwise(x, packed, layer.bias, "none", [], "")
         return F.linear(x, layer.weight, layer.bias)
 
     return forward
+
+
+def _install(layer: nn.Linear) -> None:
+    if "forward" not in vars(layer):
+        # plain attributes, found without nn.Module.__getattr__
+        layer._pagoda_gemv = layer._pagoda_packed = None  # type: ignore[assignment]
+        layer.forward = _forward(layer)  # type: ignore[method-assign,assignment]
+
+
+def is_packed(layer: nn.Module) -> bool:
+    return getattr(layer, "_pagoda_packed", None) is not None
+
+
+_GEMV_SOURCE = Path(__file__).with_name("gemv.cpp")
+
+
+@functools.cache
+def _gemv_library(portable: bool = False) -> Any:
+    lib = load_library(_GEMV_SOURCE, {"PORTABLE": 1} if portable else {})
+    lib.pagoda_gemv_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.pagoda_gemv_bf16.restype = None
+    return lib
+
+
+def _gemv_for(lib: Any) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
+        lib.pagoda_gemv_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                             x.shape[0], weight.shape[0], weight.shape[1])
+        return y
+
+    return gemv
+
+
+def enable_gemv(model: nn.Module, portable: bool = False) -> float:
+    """Give the model's bfloat16 linears (contiguous weight and bias) the C++ GEMV for steps of 1-GEMV_MAX_ROWS
+    rows; returns the seconds its build took. If the build fails (logged), they keep their other paths."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16
+              and m.weight.is_contiguous() and (m.bias is None or (m.bias.dtype == torch.bfloat16
+                                                                     and m.bias.is_contiguous()))]
+    if not layers:
+        return 0.0
+    start = time.perf_counter()
+    try:
+        gemv = _gemv_for(_gemv_library(portable))
+    except Exception as e:  # no C++ compiler, ...
+        logger.warning("could not compile the bfloat16 GEMV (%s); small steps' linears use oneDNN", e)
+        return time.perf_counter() - start
+    for layer in layers:
+        _install(layer)
+        layer._pagoda_gemv = gemv  # type: ignore[assignment]
+    seconds = time.perf_counter() - start
+    logger.info("bfloat16 GEMV for %d-%d-row steps ready in %.1f s", 1, GEMV_MAX_ROWS, seconds)
+    return seconds
 
 
 # `prepack_weights` left to the engine (None) packs bfloat16 models whose copy takes at most this much: the
@@ -64,8 +145,8 @@ def prepack_linears(model: nn.Module) -> tuple[int, range | None]:
     added, used = 0, None
     for module in model.modules():
         if isinstance(module, nn.Linear) and (rows := PACKED_ROWS.get(module.weight.dtype)) is not None:
-            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 16)
-            module.forward = _packed_forward(module, packed, rows)  # type: ignore[method-assign,assignment]
+            _install(module)
+            module._pagoda_packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 16)
             added += module.weight.numel() * module.weight.element_size()
             used = rows
     return added, used

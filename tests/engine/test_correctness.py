@@ -103,7 +103,7 @@ def test_prepack_weights_by_default_for_small_bfloat16_models(tiny_model: tuple[
 
     def packed(**kwargs: object) -> bool:
         model = LLM(str(tiny_model[1]), **kwargs).engine.model
-        return any("forward" in vars(m) for m in model.modules() if isinstance(m, nn.Linear))
+        return any(linear.is_packed(m) for m in model.modules() if isinstance(m, nn.Linear))
 
     assert packed(dtype="bfloat16") and not packed(dtype="float32")
     assert packed(dtype="float32", prepack_weights=True) and not packed(dtype="bfloat16", prepack_weights=False)
@@ -117,12 +117,14 @@ def test_prepacked_weights_match_plain(tiny_model: tuple[str, Path], dtype: str)
     plain engine's greedy tokens, and logprobs equal up to float rounding."""
     from torch import nn
 
+    from pagoda.layers.linear import is_packed
+
     kwargs = {"dtype": dtype, "max_num_batched_tokens": 48}
     plain = LLM(str(tiny_model[1]), prepack_weights=False, **kwargs).generate(prompts(), greedy_params(),
                                                                                 use_tqdm=False)
     packed_llm = LLM(str(tiny_model[1]), prepack_weights=True, **kwargs)
     linears = [m for m in packed_llm.engine.model.modules() if isinstance(m, nn.Linear)]
-    assert linears and all("forward" in vars(m) for m in linears)  # every linear got the packed path
+    assert linears and all(is_packed(m) for m in linears)  # every linear got the packed path
     packed = packed_llm.generate(prompts(), greedy_params(), use_tqdm=False)
     for a, b in zip(plain, packed, strict=True):
         assert b.token_ids == a.token_ids

@@ -1,0 +1,105 @@
+// Linear layers of bfloat16 models for steps of a few rows (one stream decoding): y (M, N) = x (M, K) @ w^T
+// (+ bias), w (N, K) row-major as nn.Linear stores it, M <= 4. Each weight row is read once, in order, and
+// dotted with the M input rows: the step streams the weights from memory, which is its bandwidth floor.
+// oneDNN's bfloat16 matmul took about as long for one row as for sixteen (BENCHMARKS.md, "`--prepack-weights`"),
+// reading the weights at about a third of the memory's speed.
+//
+// Compiled at start-up by pagoda/layers/linear.py (through pagoda/layers/cpp_build.py), after cpp_vector.h.
+// Under AVX-512 BF16, `vdpbf16ps` multiplies 32 pairs of bfloat16 and adds them into 16 float32 lanes;
+// elsewhere (or with PAGODA_PORTABLE) each bfloat16 is widened to float32 and multiplied-added. Sums are
+// float32, the output rounded to bfloat16 once (bias added before), as F.linear does; the order of the
+// additions differs, so results match F.linear's within float32 rounding of the sum.
+
+#if defined(__AVX512BF16__) && !defined(PAGODA_PORTABLE)
+#define PAGODA_DPBF16 1
+#endif
+
+static inline float bf16_to_f(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+static inline uint16_t f_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return f != f ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float hsum(vf x) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < L; ++i) s += x[i];
+  return s;
+}
+
+// Weight rows processed together: their M x ROWS sums are independent chains of fused multiply-adds.
+constexpr int64_t ROWS = 4;
+// Each weight line is prefetched this many rows ahead of its use (past the end of w, prefetches are
+// harmless): 1.55x on one step's weights at 16 rows ahead, against none; 8 and 32 were slower (ad hoc).
+constexpr int64_t PREFETCH_ROWS = 16;
+
+// Rows [n0, n0 + nr) of the output, nr <= ROWS.
+template <int M>
+static void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, int64_t nr, float* sums) {
+  vf acc[M][ROWS] = {};
+  int64_t k = 0;
+#ifdef PAGODA_DPBF16
+  for (; k + 32 <= K; k += 32) {
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+    for (int64_t r = 0; r < nr; ++r) {
+      __builtin_prefetch(w + (n0 + r + PREFETCH_ROWS) * K + k, 0, 3);
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n0 + r) * K + k);
+      for (int m = 0; m < M; ++m) {
+        __m512 a;
+        std::memcpy(&a, &acc[m][r], sizeof(a));
+        a = _mm512_dpbf16_ps(a, xv[m], wv);
+        std::memcpy(&acc[m][r], &a, sizeof(a));
+      }
+    }
+  }
+#endif
+  for (; k + L <= K; k += L) {
+    vf xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = load_bf16(x + m * K + k);
+    for (int64_t r = 0; r < nr; ++r) {
+      const vf wv = load_bf16(w + (n0 + r) * K + k);
+      for (int m = 0; m < M; ++m) acc[m][r] = madd(xv[m], wv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int64_t r = 0; r < nr; ++r) {
+      float s = hsum(acc[m][r]);
+      for (int64_t j = k; j < K; ++j) s += bf16_to_f(x[m * K + j]) * bf16_to_f(w[(n0 + r) * K + j]);
+      sums[m * ROWS + r] = s;
+    }
+  }
+}
+
+template <int M>
+static void gemv(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t N, int64_t K) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
+    const int64_t nr = std::min<int64_t>(ROWS, N - n0);
+    float sums[M * ROWS];
+    dot_rows<M>(x, w, K, n0, nr, sums);
+    for (int m = 0; m < M; ++m) {
+      for (int64_t r = 0; r < nr; ++r) {
+        const float b = bias ? bf16_to_f(bias[n0 + r]) : 0.0f;
+        y[m * N + n0 + r] = f_to_bf16(sums[m * ROWS + r] + b);
+      }
+    }
+  }
+}
+
+// x (M, K), w (N, K), bias (N) or null, y (M, N): all bfloat16, contiguous; 1 <= M <= 4.
+extern "C" void pagoda_gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M,
+                                 int64_t N, int64_t K) {
+  switch (M) {
+    case 1: return gemv<1>(x, w, bias, y, N, K);
+    case 2: return gemv<2>(x, w, bias, y, N, K);
+    case 3: return gemv<3>(x, w, bias, y, N, K);
+    default: return gemv<4>(x, w, bias, y, N, K);
+  }
+}

@@ -1,0 +1,51 @@
+"""The linear layers' extra paths (pagoda/layers/linear.py): the C++ bfloat16 GEMV for steps of a few rows,
+and the dispatch between it, oneDNN-packed weights and F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.layers import linear
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (49, 1536), (7, 70), (130, 33)])
+def test_gemv_matches_float32_linear_rounded_once(portable: bool, n: int, k: int) -> None:
+    """Against F.linear in float32 on the same bfloat16 values: within one bfloat16 rounding of the float32
+    result (the sums are float32 in another order). Shapes with a tail past the last 32 and 16 elements of
+    K, and N not a multiple of the 4 rows taken together; with and without bias; 1-4 rows; the AVX-512 BF16
+    build and the portable one (AVX-512 BF16 lets it use vdpbf16ps)."""
+    gemv = linear._gemv_for(linear._gemv_library(portable))
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    for bias in (None, torch.randn(n, generator=g).bfloat16()):
+        for m in range(1, linear.GEMV_MAX_ROWS + 1):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+            got = gemv(x, w, bias)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+            torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-4)
+
+
+def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """enable_gemv: bfloat16 linears take the GEMV for 1-GEMV_MAX_ROWS rows, the packed weight (after
+    prepack_linears) for the rest of PACKED_ROWS, F.linear beyond; float32 linears are left alone."""
+    packed_calls: list[int] = []
+    pointwise = torch.ops.mkldnn._linear_pointwise  # looked up when a layer's forward is built: patch first
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *a: packed_calls.append(x.shape[0]) or pointwise(x, *a), raising=False)
+    model = nn.Sequential(nn.Linear(64, 32).bfloat16(), nn.Linear(32, 16))
+    bf16, f32 = model[0], model[1]
+    assert linear.enable_gemv(model) >= 0 and bf16._pagoda_gemv is not None and "forward" not in vars(f32)
+    calls: list[int] = []
+    gemv = bf16._pagoda_gemv
+    bf16._pagoda_gemv = lambda x, w, b: calls.append(x.shape[0]) or gemv(x, w, b)
+    linear.prepack_linears(model)
+    assert linear.is_packed(bf16) and linear.is_packed(f32)
+    for rows in (1, 4, 5, 2000):
+        x = torch.randn(rows, 64).bfloat16()
+        torch.testing.assert_close(bf16(x).float(), F.linear(x, bf16.weight, bf16.bias).float(), rtol=2**-7, atol=1e-2)
+    assert calls == [1, 4] and packed_calls == [5]
