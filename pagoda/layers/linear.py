@@ -40,7 +40,8 @@ PACKED_ROWS: dict[torch.dtype, range] = {torch.float32: range(3, 97), torch.bflo
 
 
 # Rows (tokens in the step) that bfloat16 linears give to the C++ GEMV (gemv.cpp) once enable_gemv built it:
-# one stream's step, 2.0x faster than oneDNN on the default model's weights (BENCHMARKS.md).
+# one step's matmuls 1.51-1.74x faster than oneDNN's packed weights at 1-4 rows (`bench.linear_stream`,
+# BENCHMARKS.md); more rows were not measured.
 GEMV_MAX_ROWS = 4
 
 
