@@ -183,34 +183,22 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
             return run
 
         return {"step": prefetch(ahead), "no-prefetch": prefetch(0)}
-    if args.versus == "torch-elementwise":
-        ops = engine.model.ops
-        lib = ops.lib
+    if args.versus in ("torch-elementwise", "torch-sampler"):
+        # both keep their C++ library in .lib (None: torch code); this side runs without it
+        holder: Any = engine.model.ops if args.versus == "torch-elementwise" else engine.runner.sampler
+        lib = holder.lib
         if lib is None:
-            raise SystemExit("--versus torch-elementwise needs the fused ops (not with --compile-model or float64)")
+            raise SystemExit(f"--versus {args.versus} needs the engine's fused ops (not with float64; the "
+                             "elementwise ones not with --compile-model)")
 
-        def elementwise(fused: bool) -> Callable[[], None]:
+        def with_lib(fused: bool) -> Callable[[], None]:
             def run() -> None:
-                ops.lib = lib if fused else None
+                holder.lib = lib if fused else None
                 steps()
 
             return run
 
-        return {"step": elementwise(True), "torch-elementwise": elementwise(False)}
-    if args.versus == "torch-sampler":
-        sampler = engine.runner.sampler
-        sampler_lib = sampler.lib
-        if sampler_lib is None:
-            raise SystemExit("--versus torch-sampler needs the sampler's fused pass (the engine's fused ops)")
-
-        def sampling(fused: bool) -> Callable[[], None]:
-            def run() -> None:
-                sampler.lib = sampler_lib if fused else None
-                steps()
-
-            return run
-
-        return {"step": sampling(True), "torch-sampler": sampling(False)}
+        return {"step": with_lib(True), args.versus: with_lib(False)}
     if args.versus == "length-groups":
         backend = engine.model.backend
         if not isinstance(backend, CppAttentionBackend):
