@@ -45,7 +45,8 @@ def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     bf16._pagoda_gemv = lambda x, w, b: calls.append(x.shape[0]) or gemv(x, w, b)
     linear.prepack_linears(model)
     assert linear.is_packed(bf16) and linear.is_packed(f32)
-    for rows in (1, 4, 5, 2000):
+    top = linear.GEMV_MAX_ROWS
+    for rows in (1, top, top + 1, 2000):
         x = torch.randn(rows, 64).bfloat16()
         torch.testing.assert_close(bf16(x).float(), F.linear(x, bf16.weight, bf16.bias).float(), rtol=2**-7, atol=1e-2)
-    assert calls == [1, 4] and packed_calls == [5]
+    assert calls == [1, top] and packed_calls == [top + 1]
