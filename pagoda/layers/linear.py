@@ -41,7 +41,8 @@ PACKED_ROWS: dict[torch.dtype, range] = {torch.float32: range(3, 97), torch.bflo
 
 # Rows (tokens in the step) that bfloat16 linears give to the C++ GEMV (gemv.cpp) once enable_gemv built it:
 # one step's matmuls 1.51-1.74x faster than oneDNN's packed weights at 1-4 rows (`bench.linear_stream`,
-# BENCHMARKS.md); more rows were not measured.
+# BENCHMARKS.md). A variant for 5-8 rows (two weight rows at a time) was no better than the packed weights
+# there (ad hoc), so the GEMV stops at 4.
 GEMV_MAX_ROWS = 4
 
 
