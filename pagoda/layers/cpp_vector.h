@@ -20,11 +20,39 @@ typedef uint16_t vu16 __attribute__((vector_size(L * 2)));
 typedef uint32_t vu32 __attribute__((vector_size(L * 4)));
 typedef _Float16 vf16 __attribute__((vector_size(L * 2)));
 
+// One bfloat16 (the high half of a float32) to float32, and float32 to bfloat16 rounded to nearest even, as
+// torch rounds; NaN stays NaN.
+static inline float bf16_to_f(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+static inline uint16_t f_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return f != f ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The sum and the maximum of a vector's lanes (the maximum ignores NaN lanes unless all are NaN).
+static inline float hsum(vf x) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < L; ++i) s += x[i];
+  return s;
+}
+
+static inline float hmax(vf x) {
+  float m = x[0];
+  for (int64_t i = 1; i < L; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
 // Sixteen consecutive bfloat16 (the high halves of float32s) or float16 values as float32.
 static inline vf load_bf16(const uint16_t* p) {
 #if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
   // One widening load and a shift: GCC 12 compiles the generic code below to two 8-lane halves put back
-  // together (five instructions), which took a fifth of the decode kernel's bfloat16 time.
+  // together (five instructions), where `perf` put a fifth of the bfloat16 decode kernel's samples.
   const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
   vf r;
   std::memcpy(&r, &u, sizeof(r));

@@ -29,17 +29,8 @@ static inline void store(elem_t* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
 static inline vf rnd(vf x) { return x; }
 #elif PAGODA_ELEM == 1
 using elem_t = uint16_t;  // bfloat16: the high half of a float32
-static inline float to_f(elem_t x) {
-  const uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-static inline elem_t from_f(float f) {  // NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return f != f ? elem_t(0x7fc0) : elem_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+static inline float to_f(elem_t x) { return bf16_to_f(x); }
+static inline elem_t from_f(float f) { return f_to_bf16(f); }
 static inline vf load(const elem_t* p) { return load_bf16(p); }
 static inline vu32 round_bits(vf x) {  // float32 bits rounded to bfloat16's top half, low half zero
   vu32 u;

@@ -14,25 +14,6 @@
 #define PAGODA_DPBF16 1
 #endif
 
-static inline float bf16_to_f(uint16_t h) {
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-static inline uint16_t f_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return f != f ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float hsum(vf x) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < L; ++i) s += x[i];
-  return s;
-}
-
 // Weight rows processed together: their M x ROWS sums are independent chains of fused multiply-adds.
 constexpr int64_t ROWS = 4;
 // Each weight line is prefetched this many rows ahead of its use (past the end of w, prefetches are

@@ -32,17 +32,6 @@ static inline vf exp_neg(vf y) {
 }
 static inline float exp_neg(float y) { return y * LOG2E < -126.0f ? 0.0f : exp2_neg(y * LOG2E); }
 
-static inline float hmax(vf x) {
-  float m = x[0];
-  for (int64_t i = 1; i < L; ++i) m = std::max(m, x[i]);
-  return m;
-}
-static inline float hsum(vf x) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < L; ++i) s += x[i];
-  return s;
-}
-
 // Sum of exp((x[i] - m) * inv_t) over [lo, hi): whole vectors, then a scalar tail.
 static inline float weight_sum(const float* x, int64_t lo, int64_t hi, float m, float inv_t) {
   vf acc = {};

@@ -171,8 +171,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
         if (nt < BS) sv[c] = lane + int32_t(c * L) < int32_t(nt) ? sv[c] : vf{} - std::numeric_limits<float>::infinity();
         vmax = vmax > sv[c] ? vmax : sv[c];
       }
-      float mx = m[h];
-      for (int64_t i = 0; i < L; ++i) mx = std::max(mx, vmax[i]);
+      const float mx = std::max(m[h], hmax(vmax));
       const float correction = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : exp2_neg(m[h] - mx);
       m[h] = mx;
       vf vsum = {};
@@ -183,9 +182,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
         vsum += p;
         std::memcpy(&s[h][c * L], &p, sizeof(p));
       }
-      float sum = 0.0f;
-      for (int64_t i = 0; i < L; ++i) sum += vsum[i];
-      l[h] = l[h] * correction + sum;
+      l[h] = l[h] * correction + hsum(vsum);
       if (correction != 1.0f) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= correction;
