@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--kv-cache-scale-granularity", default="token", choices=SCALE_GRANULARITIES)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per cache block (the engine's --block-size)")
     p.add_argument("--layers", type=int, default=1,
                    help="caches of this many layers, attended in turn as a step does; with 30 (the default model's "
                         "count) they no longer fit in L3 and come from memory, as in the engine")
@@ -51,7 +52,7 @@ def main() -> None:
     args = p.parse_args()
     if args.versus_rev is not None and args.backends != "cpp":
         p.error("--versus-rev compares cpp kernels: use it with --backends cpp")
-    dtype, bs, hq, hkv, d = DTYPES[args.dtype], 16, 9, 3, 64
+    dtype, bs, hq, hkv, d = DTYPES[args.dtype], args.block_size, 9, 3, 64
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(args.context[0], args.context[1] + 1, (args.num_seqs,), generator=g)
     width = int(-(-lens.max() // bs))
@@ -63,7 +64,7 @@ def main() -> None:
     q = torch.randn(args.num_seqs, hq, d, generator=g).to(dtype)
     context_bytes = 2 * int(lens.sum()) * spec.bytes_per_block(bs, hkv, d) // bs
     common = {"dtype": args.dtype, "kv_cache": spec.name, "num_seqs": args.num_seqs, "context": args.context,
-              "layers": args.layers}
+              "layers": args.layers, "block_size": bs}
 
     def timed(decode: Callable[[PagedKVCache], object]) -> Callable[[], float]:
         def call() -> float:  # ms per layer

@@ -32,11 +32,13 @@ _SCALES = {None: 0, "token": 1, "block": 2}
 # are this many items per thread (few, long sequences), so that the dynamic schedule can balance them.
 _ITEMS_PER_THREAD = 4
 # Blocks ahead of the one being read whose K and V the kernel prefetches (0: none; cpp_kernel.cpp), for
-# caches of 1- and 2-byte elements: 128-request decode steps 1.075x faster in bfloat16, 1.035x with an int8
-# cache; with float32 caches they were 1.02x slower, so those are not prefetched
-# (`python -m pagoda.bench.decode_step --versus no-prefetch`, BENCHMARKS.md).
+# caches of elements of at most PREFETCH_MAX_ELEMENT_BYTES. Issued in one burst at the start of a block,
+# the prefetches made 128-request decode steps 1.075x faster in bfloat16 and 1.035x with an int8 cache,
+# but float32 ones 1.02x slower; spread through the block's work, they make float32 steps 1.01-1.06x
+# faster too, and bfloat16 ones 1.19x (`python -m pagoda.bench.decode_step --versus no-prefetch`,
+# BENCHMARKS.md), so every cache is prefetched.
 PREFETCH_AHEAD = 1
-PREFETCH_MAX_ELEMENT_BYTES = 2
+PREFETCH_MAX_ELEMENT_BYTES = 4
 # Inductor compiles its own kernels (explicitly vectorized) with the loop vectorizer off and without
 # fused multiply-adds; this kernel relies on the compiler vectorizing its loops, and FMAs are fine.
 _FLAGS = ("-ftree-loop-vectorize", "-ffp-contract=fast")

@@ -7,7 +7,7 @@
 //   PAGODA_HKV, PAGODA_G (query heads per KV head), PAGODA_D (head_dim), PAGODA_BS (block_size),
 //   PAGODA_ELEM: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 fp8 (e4m3),
 //   PAGODA_SCALES: 0 none, 1 a float16 scale per (token, KV head), 2 per (block, KV head);
-//   PAGODA_PREFETCH_AHEAD: how many blocks ahead to prefetch K and V (prefetch_block);
+//   PAGODA_PREFETCH_AHEAD: how many blocks ahead to prefetch K and V (Prefetcher);
 //   PAGODA_PORTABLE (optional): no AVX-512 intrinsics even where the compiler targets AVX-512 (tests use
 //   it to check the code other CPUs run).
 //
@@ -80,19 +80,37 @@ static inline vf load16(const elem_t* p, const float* table) {
 // Ask for a block's K and V PAGODA_PREFETCH_AHEAD blocks before they are needed (0: never). A block's K
 // and V are each one contiguous run (HKV * D * BS elements), but consecutive blocks of a sequence lie
 // anywhere in the cache, so the hardware prefetcher, which follows addresses, cannot fetch the next block
-// while this one is computed. One block ahead made bfloat16 and int8 decode steps faster, float32 ones
-// slower (cpp.py chooses; BENCHMARKS.md); two ahead was slower. The scales (float16, a few bytes a
-// block) are left to the hardware.
+// while this one is computed. The prefetches are spread over the block's work, PREFETCH_PER_STEP at each
+// step of its K and V loops: issued in one burst at the start of the block, they waited for the core's few
+// line-fill buffers and held up the block's own loads (float32 decode steps were then slower with them
+// than without). Two blocks ahead was slower than one. The scales (float16, a few bytes a block) are left
+// to the hardware. cpp.py chooses the distance; BENCHMARKS.md has the measurements.
 constexpr int64_t PREFETCH_AHEAD = PAGODA_PREFETCH_AHEAD;
-static inline void prefetch_block(const elem_t* k, const elem_t* v, int64_t block) {
-  constexpr int64_t BYTES = HKV * D * BS * int64_t(sizeof(elem_t));
-  const char* kb = reinterpret_cast<const char*>(k + block * HKV * D * BS);
-  const char* vb = reinterpret_cast<const char*>(v + block * BS * HKV * D);
-  for (int64_t off = 0; off < BYTES; off += 64) {
-    __builtin_prefetch(kb + off, 0, 3);
-    __builtin_prefetch(vb + off, 0, 3);
+constexpr int64_t LINES = HKV * D * BS * int64_t(sizeof(elem_t)) / 64;  // of one block's K (or V)
+constexpr int64_t PREFETCH_STEPS = HKV * (D / DS) + HKV * BS;
+constexpr int64_t PREFETCH_PER_STEP = (2 * LINES + PREFETCH_STEPS - 1) / PREFETCH_STEPS;
+struct Prefetcher {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t next = 2 * LINES;  // lines issued so far, K's then V's; 2 * LINES: none (left) to prefetch
+  void start(const elem_t* kc, const elem_t* vc, int64_t block) {
+    k = reinterpret_cast<const char*>(kc + block * HKV * D * BS);
+    v = reinterpret_cast<const char*>(vc + block * BS * HKV * D);
+    next = 0;
   }
-}
+  inline void step() {
+    if constexpr (PREFETCH_AHEAD == 0) return;
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < PREFETCH_PER_STEP; ++i, ++next) {
+      if (next < LINES) __builtin_prefetch(k + next * 64, 0, 3);
+      else if (next < 2 * LINES) __builtin_prefetch(v + (next - LINES) * 64, 0, 3);
+    }
+  }
+  void finish() {  // what the steps left (the block had fewer than BS tokens)
+    if constexpr (PREFETCH_AHEAD == 0) return;
+    while (next < 2 * LINES) step();
+  }
+};
 
 // Attend one span of blocks [j0, j1) of one sequence: running max m, sum l and unnormalized output acc
 // for each query head. q is pre-scaled by softmax_scale * log2(e), so scores are in log2 units.
@@ -116,11 +134,13 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
   for (int64_t j = j0; j < j1; ++j) {
     const int64_t block = blocks[j];
     const int64_t nt = std::min<int64_t>(BS, seq_len - j * BS);
-    if (PREFETCH_AHEAD > 0 && j + PREFETCH_AHEAD < j1) prefetch_block(k, v, blocks[j + PREFETCH_AHEAD]);
+    Prefetcher pf;
+    if (PREFETCH_AHEAD > 0 && j + PREFETCH_AHEAD < j1) pf.start(k, v, blocks[j + PREFETCH_AHEAD]);
     for (int64_t h = 0; h < HKV; ++h) {
       const elem_t* kb = k + (block * HKV + h) * D * BS;
       vf sp[DS][G][NT] = {};
       for (int64_t d0 = 0; d0 < D; d0 += DS) {
+        pf.step();
 #pragma GCC unroll 16
         for (int64_t e = 0; e < DS; ++e) {
           const int64_t d = d0 + e;
@@ -192,6 +212,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
       vf a[G][ND];
       std::memcpy(a, acc + h * G * D, sizeof(a));
       for (int64_t t = 0; t < nt; ++t) {
+        pf.step();
         const elem_t* vr = v + ((block * BS + t) * HKV + h) * D;
 #if PAGODA_SCALES == 1
         const float sc = float(vscale[(block * BS + t) * HKV + h]);
@@ -212,6 +233,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
       }
       std::memcpy(acc + h * G * D, a, sizeof(a));
     }
+    pf.finish();
   }
 }
 
