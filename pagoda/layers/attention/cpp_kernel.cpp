@@ -83,7 +83,8 @@ static inline vf load16(const elem_t* p, const float* table) {
 // while this one is computed. The prefetches are spread over the block's work, PREFETCH_PER_STEP at each
 // step of its K and V loops: issued in one burst at the start of the block, they waited for the core's few
 // line-fill buffers and held up the block's own loads (float32 decode steps were then slower with them
-// than without). Two blocks ahead was slower than one. The scales (float16, a few bytes a block) are left
+// than without). Two blocks ahead was slower than one. They fetch into L2 (prefetcht1): 1.02-1.05x
+// faster than into L1 in four alternated runs of `bench.decode_attention --layers 30 --versus-rev`. The scales (float16, a few bytes a block) are left
 // to the hardware. cpp.py chooses the distance; BENCHMARKS.md has the measurements.
 constexpr int64_t PREFETCH_AHEAD = PAGODA_PREFETCH_AHEAD;
 constexpr int64_t LINES = HKV * D * BS * int64_t(sizeof(elem_t)) / 64;  // of one block's K (or V)
@@ -102,8 +103,8 @@ struct Prefetcher {
     if constexpr (PREFETCH_AHEAD == 0) return;
 #pragma GCC unroll 4
     for (int64_t i = 0; i < PREFETCH_PER_STEP; ++i, ++next) {
-      if (next < LINES) __builtin_prefetch(k + next * 64, 0, 3);
-      else if (next < 2 * LINES) __builtin_prefetch(v + (next - LINES) * 64, 0, 3);
+      if (next < LINES) __builtin_prefetch(k + next * 64, 0, 2);
+      else if (next < 2 * LINES) __builtin_prefetch(v + (next - LINES) * 64, 0, 2);
     }
   }
   void finish() {  // what the steps left (the block had fewer than BS tokens)
