@@ -100,7 +100,7 @@ def compute_floor(model: Any, prompt_tokens: int, output_tokens: int, elapsed: f
     lm_head = model.lm_head.weight
     linear = sum(m.weight.numel() for m in model.model.modules() if isinstance(m, torch.nn.Linear))
     flops = 2.0 * linear * (prompt_tokens + output_tokens) + 2.0 * lm_head.numel() * output_tokens
-    w = model.model.layers[0].mlp.up_proj.weight  # (intermediate, hidden)
+    w = model.model.layers[0].mlp.gate_up_proj.weight[: model.config.intermediate_size]  # (intermediate, hidden)
     x = torch.randn(1024, w.shape[1], dtype=w.dtype)
     best = float("inf")
     for _ in range(40):  # best of many: the peak, not a mean the noisy neighbours drag down

@@ -1,7 +1,13 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3), read top to bottom.
 
 Differences are options, not branches per model: q/k/v biases (Qwen2), per-head q/k RMSNorm
-(Qwen3), tied embeddings, llama3 rope scaling. Parameter names follow HF so loading is a name map.
+(Qwen3), tied embeddings, llama3 rope scaling. Parameter names follow HF so loading is a name map, except
+for two merged projections (as vLLM merges them): q, k and v are one linear, `qkv_proj`, and the MLP's gate
+and up are one, `gate_up_proj`; the checkpoint's separate weights are rows of these (CHECKPOINT_SHARDS).
+One matmul in place of three (two) reads the input once and makes fewer, larger calls: a step's matmuls
+alone 1.15x faster at 64 and 128 rows and 1.20x at 2,048 in bfloat16; whole bfloat16 steps 1.04x at
+2,048 prompt tokens, 1.03x for one stream, and 0.91-1.06x (four runs) at 128 decodes, where attention
+dominates (ad hoc, each alternated with the separate projections in one process).
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ from pagoda.model.compiled_forward import (
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# checkpoint module name -> (merged module, index of its part); a part's rows follow the parts before it
+CHECKPOINT_SHARDS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+                     "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+                     "mlp.up_proj": ("mlp.gate_up_proj", 1)}
 
 
 @dataclass(frozen=True)
@@ -89,9 +100,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         # Qwen2 has biases on q/k/v only; Llama-style attention_bias covers o_proj too.
         o_bias = bias and cfg.model_type != "qwen2"
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
@@ -105,9 +115,10 @@ class Attention(nn.Module):
         the step context (pagoda/model/compiled_forward.py). one_stream: the compiled one-stream decode
         graph, whose attention is part of the graph (the caches are this module's buffers)."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # q, k and v are column ranges of its rows: views, strided by the row
+        q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         q, k = self.ops.rotary(q, k, cos, sin)
@@ -130,12 +141,14 @@ class MLP(nn.Module):
     def __init__(self, cfg: ArchConfig, ops: ElementwiseOps) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        n = self.intermediate_size
+        return self.down_proj(self.ops.silu_mul(gate_up[:, :n], gate_up[:, n:]))
 
 
 class DecoderLayer(nn.Module):
@@ -238,3 +251,24 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def checkpoint_parameters(self) -> dict[str, tuple[str, slice]]:
+        """The parameters a checkpoint holds for this model (HF names) -> (this model's parameter, the rows of
+        it the checkpoint's tensor fills): all rows, except for the parts of a merged projection."""
+        cfg = self.config
+        kv = cfg.num_kv_heads * cfg.head_dim
+        part_rows = {"self_attn.qkv_proj": (cfg.num_heads * cfg.head_dim, kv, kv),
+                     "mlp.gate_up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
+        out: dict[str, tuple[str, slice]] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            module, _, kind = name.rpartition(".")
+            merged = next((m for m in part_rows if module.endswith("." + m)), None)
+            if merged is None:
+                out[name] = (name, slice(0, param.shape[0]))
+                continue
+            layer = module[: -len(merged)]
+            for part, (target, index) in CHECKPOINT_SHARDS.items():
+                if target == merged:
+                    start = sum(part_rows[merged][:index])
+                    out[f"{layer}{part}.{kind}"] = (name, slice(start, start + part_rows[merged][index]))
+        return out

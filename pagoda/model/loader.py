@@ -107,23 +107,25 @@ def load_model(name: str, dtype: torch.dtype, backend: AttentionBackend, max_pos
 
 def _load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
+    expected = model.checkpoint_parameters()  # HF name -> (parameter, rows): merged projections take parts
     loaded: set[str] = set()
     for name, tensor in tensors:
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        if name not in params:
+        if name not in expected:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
-        param = params[name]
+        target, rows = expected[name]
+        param = params[target].data[rows]
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, model expects "
                              f"{tuple(param.shape)}")
-        param.data.copy_(tensor)
+        param.copy_(tensor)
         loaded.add(name)
     if model.config.tie_word_embeddings:
         loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(expected) - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
                          f"{' ...' if len(missing) > 8 else ''}")
