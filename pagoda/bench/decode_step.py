@@ -106,6 +106,8 @@ VERSUS = {
                       "leave that flag out",
     "opaque-attention": "with --compile-model, the same steps without the one-stream graph (attention as the "
                         "opaque op)",
+    "eager-one-stream": "one stream's steps in one C++ call (pagoda/model/one_stream.py) against the eager "
+                        "forward",
     "no-prefetch": "with the cpp backend, its kernel prefetching the next block's K and V (whatever the cache's "
                    "element size; the engine does for 1- and 2-byte elements) against not prefetching",
     "torch-elementwise": "the elementwise steps as torch ops, not the fused C++ ones (--no-fused-ops)",
@@ -168,6 +170,21 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
             model.compiled_one_stream = None
 
         return {"step": after(use_graph), "opaque-attention": after(drop_graph)}
+    if args.versus == "eager-one-stream":
+        model = engine.model
+        one_call = model.one_stream_forward
+        if one_call is None:
+            raise SystemExit("--versus eager-one-stream needs the one-call one-stream forward: a bfloat16 model, "
+                             "the cpp attention backend, the fused ops, a bfloat16 cache (the start-up log says why "
+                             "it is off)")
+
+        def use_one_call() -> None:
+            model.one_stream_forward = one_call
+
+        def use_eager() -> None:
+            model.one_stream_forward = None
+
+        return {"step": after(use_one_call), "eager-one-stream": after(use_eager)}
     if args.versus == "no-prefetch":
         ahead = cpp.PREFETCH_AHEAD
         cpp.PREFETCH_MAX_ELEMENT_BYTES = 8  # this side prefetches whatever the cache's element size

@@ -24,6 +24,7 @@ from pagoda.layers.attention.compiled import paged_decode_attention
 from pagoda.layers.elementwise import ElementwiseOps
 from pagoda.layers.layernorm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.model import one_stream
 from pagoda.model.compiled_forward import (
     OneStreamDecode,
     compile_forward,
@@ -33,6 +34,7 @@ from pagoda.model.compiled_forward import (
     step_context,
     write_kv,
 )
+from pagoda.model.one_stream import OneStreamForward
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -193,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, backend, max_positions, dtype, self.ops)
         self.compiled_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.compiled_one_stream: Callable[..., torch.Tensor] | None = None
+        self.one_stream_forward: OneStreamForward | None = None  # enable_one_stream_forward
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -205,6 +208,9 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.compiled_one_stream is not None and (inputs := one_stream_decode_inputs(meta)) is not None:
             return self.compiled_one_stream(input_ids, positions, *inputs)
+        one_call = self.one_stream_forward
+        if one_call is not None and (out := one_call(input_ids, positions, meta)) is not None:
+            return out
         if self.compiled_forward is not None:
             with step_context(self.backend, kv_caches, meta):
                 return self.compiled_forward(input_ids, positions)
@@ -243,6 +249,12 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.register_buffer(name, tensor, persistent=False)
         self.compiled_one_stream, more = compile_one_stream_decode(self._forward_one_stream, self.config.hidden_size)
         return seconds + more
+
+    def enable_one_stream_forward(self, kv_caches: list[PagedKVCache]) -> float:
+        """One sequence's decode steps in one C++ call (pagoda/model/one_stream.py), where the eager path's
+        kernels allow it (after enable_fused_ops and enable_gemv); returns the seconds its build took."""
+        self.one_stream_forward, seconds = one_stream.build(self, kv_caches)
+        return seconds
 
     def enable_fused_ops(self, dtype: torch.dtype) -> float:
         """The elementwise steps in C++ (pagoda/layers/elementwise.py), for float32 and 16-bit models;

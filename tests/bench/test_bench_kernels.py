@@ -192,3 +192,20 @@ def test_decode_step_versus_the_cpp_paths_alternatives(capsys: pytest.CaptureFix
     assert torch_sampled == ([4] * 2 * 2 if versus == "torch-sampler" else [])
     # the default model's float32 cache is prefetched one block ahead; not by the other side of no-prefetch
     assert prefetches == ({0, 1} if versus == "no-prefetch" else {1})
+
+
+def test_decode_step_versus_eager_one_stream(capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """--versus eager-one-stream: one stream's steps through the one-call forward on one side only."""
+    from pagoda.bench.decode_step import main
+    from pagoda.model.one_stream import OneStreamForward
+
+    calls: list[bool] = []
+    one_call = OneStreamForward.__call__
+    monkeypatch.setattr(OneStreamForward, "__call__",
+                        lambda self, *a: calls.append(True) or one_call(self, *a))  # type: ignore[func-returns-value]
+    argv = ["--num-seqs", "1", "--input-len", "8:20", "--steps", "2", "--rounds", "2", "--versus", "eager-one-stream",
+            "--kv-cache-memory", "64MiB", "--attention-backend", "cpp", "--dtype", "bfloat16"]
+    (row,) = run_module(main, argv, capsys, monkeypatch)
+    assert row["versus"] == "eager-one-stream" and row["decode_step_ms"] > 0 and row["versus_ms"] > 0
+    assert len(calls) == 1 + 2 * 2  # the prompt step declined it, then the one-call side's steps

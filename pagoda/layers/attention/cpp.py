@@ -91,6 +91,15 @@ def supports(kv_cache: PagedKVCache, q_dtype: torch.dtype) -> bool:
             and is_k_cache_layout(kv_cache.k) and kv_cache.v.is_contiguous())
 
 
+def decode_spans(b: int, width: int) -> tuple[int, int]:
+    """(blocks per span, spans per sequence) that the kernel cuts b sequences of block tables `width` wide
+    into: at least _ITEMS_PER_THREAD work items per thread where the sequences allow."""
+    items = _ITEMS_PER_THREAD * torch.get_num_threads()
+    spans = min(width, -(-items // b))
+    span_blocks = -(-width // spans)
+    return span_blocks, -(-width // span_blocks)
+
+
 def paged_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  scale: float, rev: str | None = None) -> torch.Tensor:
     """q (B, Hq, D); block_tables (B, W) int64; seq_lens (B,) int64, each >= 1 -> (B, Hq, D) in q's dtype.
@@ -99,10 +108,7 @@ def paged_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch.Te
     lib = _library_for(kv_cache, hq) if rev is None else _library(*_library_args(kv_cache, hq), rev=rev)
     fn = lib.pagoda_paged_decode
     width = block_tables.shape[1]
-    items = _ITEMS_PER_THREAD * torch.get_num_threads()
-    spans = min(width, -(-items // b))  # per sequence
-    span_blocks = -(-width // spans)
-    spans = -(-width // span_blocks)
+    span_blocks, spans = decode_spans(b, width)
     qf = q.to(torch.float32).contiguous()
     bt, lens = block_tables.contiguous(), seq_lens.contiguous()
     assert bt.dtype == lens.dtype == torch.int64, (bt.dtype, lens.dtype)  # read as int64_t by the kernel

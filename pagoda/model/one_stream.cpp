@@ -1,0 +1,79 @@
+// One sequence's decode step of a bfloat16 Llama-family model, every layer in one call from Python.
+//
+// With one token in the step, the forward pass is ~10 small kernels a layer around four GEMVs, and in eager
+// PyTorch each costs a Python call, a module dispatch and a ctypes call: ~10 ms of a ~22 ms step, while the
+// GEMVs stream the weights in ~12 ms. This loop makes the same calls from C++: it is handed the addresses
+// of the kernels the eager path uses (the fused elementwise ops, the GEMV, the paged-cache write and decode
+// attention, each compiled on its own), the layers' weights and caches, and scratch buffers, and runs them
+// in the eager path's order with the same arguments, so its output is the eager forward's, bit for bit
+// (tests/model/test_one_stream.py). Built and driven by pagoda/model/one_stream.py, after cpp_vector.h.
+
+#include <cstdint>
+
+using gemv_fn = void (*)(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N, int64_t K);
+using norm_fn = void (*)(const void* x, int64_t xs, void* residual, const void* weight, void* out, int64_t rows,
+                         int64_t dim, float eps);
+using rotary_fn = void (*)(void* q, int64_t qs, int64_t hq, void* k, int64_t ks, int64_t hk, const void* cos,
+                           const void* sin, int64_t T, int64_t d);
+using silu_mul_fn = void (*)(const void* gate, const void* up, int64_t in_stride, void* out, int64_t rows, int64_t n);
+using write_kv_fn = void (*)(void* k, void* v, const void* k_new, const void* v_new, const int64_t* slots, int64_t T);
+using decode_fn = void (*)(const float* q, const void* k, const void* v, const void* ks, const void* vs,
+                           const float* table, const int64_t* block_tables, const int64_t* seq_lens, float* out,
+                           float* work, int64_t B, int64_t W, int64_t span_blocks, float qscale);
+
+// fns: gemv, add_rms_norm, rotary, silu_mul, write_kv, paged_decode.
+// layers: per layer LAYER_PTRS addresses, in this order: input norm weight, qkv weight, qkv bias (or null),
+// o weight, o bias (or null), post-attention norm weight, gate_up weight, down weight, K cache, V cache.
+// dims: hidden, q heads, KV heads, head_dim, intermediate. bufs: residual (hidden), h (hidden), qkv, q as
+// float32, attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x (hidden),
+// the decode kernel's work. ids, slot, seq_len: (1,); block_table (1, W); cos, sin: (head_dim) of this
+// position. out: the final norm's output (hidden).
+constexpr int64_t LAYER_PTRS = 10;
+
+extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers, int64_t num_layers, const int64_t* dims,
+                                          float eps, float scale, void* const* bufs, const int64_t* ids,
+                                          const uint16_t* embed, const void* final_norm, const void* cos,
+                                          const void* sin, const int64_t* slot, const int64_t* block_table,
+                                          const int64_t* seq_len, int64_t W, int64_t span_blocks, void* out) {
+  const auto gemv = reinterpret_cast<gemv_fn>(fns[0]);
+  const auto norm = reinterpret_cast<norm_fn>(fns[1]);
+  const auto rotary = reinterpret_cast<rotary_fn>(fns[2]);
+  const auto silu_mul = reinterpret_cast<silu_mul_fn>(fns[3]);
+  const auto write_kv = reinterpret_cast<write_kv_fn>(fns[4]);
+  const auto decode = reinterpret_cast<decode_fn>(fns[5]);
+  const int64_t H = dims[0], HQ = dims[1], HKV = dims[2], D = dims[3], I = dims[4];
+  const int64_t QS = HQ * D, KVS = HKV * D, QKV = QS + 2 * KVS;
+  auto* residual = static_cast<uint16_t*>(bufs[0]);
+  void* h = bufs[1];
+  auto* qkv = static_cast<uint16_t*>(bufs[2]);
+  auto* qf = static_cast<float*>(bufs[3]);
+  auto* attn_f = static_cast<float*>(bufs[4]);
+  auto* attn = static_cast<uint16_t*>(bufs[5]);
+  void* o = bufs[6];
+  auto* gate_up = static_cast<uint16_t*>(bufs[7]);
+  void* act = bufs[8];
+  void* x = bufs[9];
+  auto* work = static_cast<float*>(bufs[10]);
+
+  std::memcpy(residual, embed + ids[0] * H, H * sizeof(uint16_t));  // the embedding: the residual stream
+  for (int64_t l = 0; l < num_layers; ++l) {
+    void* const* p = layers + l * LAYER_PTRS;
+    if (l == 0) {
+      norm(residual, H, nullptr, p[0], h, 1, H, eps);
+    } else {
+      norm(x, H, residual, p[0], h, 1, H, eps);  // residual += x (the previous MLP's output)
+    }
+    gemv(h, p[1], p[2], qkv, 1, QKV, H);
+    rotary(qkv, QKV, HQ, qkv + QS, QKV, HKV, cos, sin, 1, D);
+    write_kv(p[8], p[9], qkv + QS, qkv + QS + KVS, slot, 1);
+    for (int64_t i = 0; i < QS; ++i) qf[i] = bf16_to_f(qkv[i]);
+    decode(qf, p[8], p[9], nullptr, nullptr, nullptr, block_table, seq_len, attn_f, work, 1, W, span_blocks, scale);
+    for (int64_t i = 0; i < QS; ++i) attn[i] = f_to_bf16(attn_f[i]);
+    gemv(attn, p[3], p[4], o, 1, H, QS);
+    norm(o, H, residual, p[5], h, 1, H, eps);
+    gemv(h, p[6], nullptr, gate_up, 1, 2 * I, H);
+    silu_mul(gate_up, gate_up + I, 2 * I, act, 1, I);
+    gemv(act, p[7], nullptr, x, 1, H, I);
+  }
+  norm(x, H, residual, final_norm, out, 1, H, eps);
+}

@@ -1,0 +1,175 @@
+"""One sequence's decode step in one C++ call (`one_stream.cpp`): the eager forward's kernels, without its
+Python.
+
+A bfloat16 step of one token is bound by reading the weights (~12 ms for the default model's 269 MB), yet
+eager PyTorch spent ~10 ms more on the ~300 Python-level calls of its 30 layers (module dispatch, ctypes
+calls, output allocations). `OneStreamForward` hands the same C++ kernels (the GEMV, the fused elementwise
+ops, the cpp backend's cache write and decode attention) to a loop in C++, with the weights, caches and
+preallocated scratch buffers, so a step is one call. Its output is the eager forward's, bit for bit: same
+kernels, same order, same arguments.
+
+Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 model whose
+linears have the GEMV, the fused elementwise ops, the cpp attention backend's kernel for a bfloat16 cache
+(not quantized), and no per-head q/k norm (Qwen3). Otherwise the model keeps its eager forward (logged).
+`--compile-model` has its own one-stream graph instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from pagoda.layers.attention import PagedKVCache
+from pagoda.layers.attention.backend import AttentionMetadata
+from pagoda.layers.attention.cpp import CppAttentionBackend, decode_spans
+from pagoda.layers.attention.cpp import _library_for as _attention_library
+from pagoda.layers.attention.cpp import supports as cpp_supports
+from pagoda.layers.cpp_build import load_library
+from pagoda.layers.linear import _gemv_library
+
+if TYPE_CHECKING:
+    from pagoda.model.llama import DecoderLayer, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("one_stream.cpp")
+_LAYER_PTRS = 10  # as in one_stream.cpp
+
+
+def _address(fn: Any) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+class OneStreamForward:
+    """forward(input_ids, positions, meta) -> final hidden (1, hidden) for a step that is one sequence's
+    decode, else None."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKVCache], lib: Any) -> None:
+        cfg = model.config
+        layers = _layers(model)
+        first_attn = layers[0].self_attn
+        gemv_lib = _gemv_library()
+        elementwise = model.ops.lib
+        attention = _attention_library(kv_caches[0], cfg.num_heads)
+        fns = [gemv_lib.pagoda_gemv_bf16, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
+               elementwise.pagoda_silu_mul, attention.pagoda_write_kv, attention.pagoda_paged_decode]
+        self._fns = (ctypes.c_void_p * len(fns))(*[_address(f) for f in fns])
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        ptrs: list[int | None] = []
+        for layer, cache in zip(layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            ptrs += [ptr(layer.input_layernorm.weight), ptr(attn.qkv_proj.weight), ptr(attn.qkv_proj.bias),
+                     ptr(attn.o_proj.weight), ptr(attn.o_proj.bias), ptr(layer.post_attention_layernorm.weight),
+                     ptr(mlp.gate_up_proj.weight), ptr(mlp.down_proj.weight), ptr(cache.k), ptr(cache.v)]
+        assert len(ptrs) == _LAYER_PTRS * len(layers)
+        self._layers = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self._num_layers = len(layers)
+        h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+            cfg.intermediate_size
+        self._dims = torch.tensor([h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, inter], dtype=torch.int64)
+        max_spans = self._max_spans = decode_spans(1, 1 << 30)[1]  # the most spans decode cuts one sequence into
+        bf16, f32 = torch.bfloat16, torch.float32
+        self._bufs_tensors = [torch.empty(h, dtype=bf16), torch.empty(h, dtype=bf16),
+                              torch.empty(q + 2 * kv, dtype=bf16), torch.empty(q, dtype=f32),
+                              torch.empty(q, dtype=f32), torch.empty(q, dtype=bf16), torch.empty(h, dtype=bf16),
+                              torch.empty(2 * inter, dtype=bf16), torch.empty(inter, dtype=bf16),
+                              torch.empty(h, dtype=bf16),
+                              torch.empty(max_spans * cfg.num_heads * (cfg.head_dim + 2), dtype=f32)]
+        self._bufs = (ctypes.c_void_p * len(self._bufs_tensors))(*[t.data_ptr() for t in self._bufs_tensors])
+        self._eps = ctypes.c_float(layers[0].input_layernorm.eps)
+        self._scale = ctypes.c_float(first_attn.scale)
+        self._embed = model.model.embed_tokens.weight
+        self._final_norm = model.model.norm.weight
+        self._rotary = model.model.rotary
+        self._fn = lib.pagoda_one_stream_forward
+        self._hidden = h
+
+    @staticmethod
+    def applies(meta: AttentionMetadata) -> bool:
+        groups = meta.decode_groups
+        return len(groups) == 1 and groups[0].whole_step and groups[0].rows.shape[0] == 1
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                 ) -> torch.Tensor | None:
+        """The step's final hidden states, or None if it is not one sequence's decode (or torch's thread
+        count grew past what the work buffer was sized for): the eager forward then runs it."""
+        if not self.applies(meta):
+            return None
+        group = meta.decode_groups[0]
+        table, seq_len, slot = group.block_tables.contiguous(), group.seq_lens.contiguous(), meta.slot_mapping
+        ids = input_ids.contiguous()
+        assert ids.dtype == table.dtype == seq_len.dtype == slot.dtype == torch.int64
+        cos, sin = self._rotary.cos_sin(positions)
+        width = table.shape[1]
+        span_blocks, spans = decode_spans(1, width)
+        if spans > self._max_spans:
+            return None
+        out = torch.empty((1, self._hidden), dtype=torch.bfloat16)
+        self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale, self._bufs,
+                 ids.data_ptr(), self._embed.data_ptr(), self._final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                 slot.data_ptr(), table.data_ptr(), seq_len.data_ptr(), width, span_blocks, out.data_ptr())
+        return out
+
+
+def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
+    return cast("list[DecoderLayer]", list(model.model.layers))
+
+
+def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str | None:
+    """Why the model's one-stream steps cannot run in one call, or None."""
+    cfg = model.config
+    layers = _layers(model)
+    linears = [m for m in model.model.modules() if isinstance(m, nn.Linear)]
+    if model.model.embed_tokens.weight.dtype != torch.bfloat16:
+        return "the model is not bfloat16"
+    if model.ops.lib is None or model.ops.dtype != torch.bfloat16:
+        return "the fused elementwise ops are off"
+    if not linears or any(getattr(m, "_pagoda_gemv", None) is None for m in linears):
+        return "the linears have no GEMV"
+    backend = model.backend
+    if not isinstance(backend, CppAttentionBackend) or not backend.kernel_ready or backend.fallback:
+        return "the attention backend is not the cpp kernel"
+    if kv_caches[0].spec.quantized or kv_caches[0].k.dtype != torch.bfloat16 or not cpp_supports(kv_caches[0],
+                                                                                                torch.bfloat16):
+        return "the KV cache is not a bfloat16 one the cpp kernel reads"
+    if any(layer.self_attn.q_norm is not None for layer in layers):
+        return "the model has per-head q/k norms"
+    tensors = [model.model.embed_tokens.weight, model.model.norm.weight, model.model.rotary.cos,
+               model.model.rotary.sin] + [p for layer in layers for p in layer.parameters()]
+    if any(not t.is_contiguous() or t.dtype != torch.bfloat16 for t in tensors):
+        return "a weight is not a contiguous bfloat16 tensor"
+    if cfg.num_heads % cfg.num_kv_heads:
+        return "query heads are not a multiple of KV heads"
+    return None
+
+
+def build(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> tuple[OneStreamForward | None, float]:
+    """The one-call forward for the model's one-stream steps, if it applies (else None, logged), and the
+    seconds its build took."""
+    reason = _unsupported(model, kv_caches)
+    if reason is not None:
+        logger.info("one-stream decode steps run the eager forward: %s", reason)
+        return None, 0.0
+    start = time.perf_counter()
+    try:
+        lib = load_library(_SOURCE, {})
+    except Exception as e:  # no C++ compiler, ...
+        logger.warning("could not compile the one-call one-stream forward (%s); those steps run eagerly", e)
+        return None, time.perf_counter() - start
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.pagoda_one_stream_forward.argtypes = [ptr, ptr, i64, ptr, ctypes.c_float, ctypes.c_float] + [ptr] * 9 + \
+        [i64, i64, ptr]
+    lib.pagoda_one_stream_forward.restype = None
+    forward = OneStreamForward(model, kv_caches, lib)
+    seconds = time.perf_counter() - start
+    logger.info("one-stream decode steps in one C++ call, ready in %.1f s", seconds)
+    return forward, seconds

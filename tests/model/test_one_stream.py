@@ -1,0 +1,99 @@
+"""The one-call one-stream decode step (pagoda/model/one_stream.py) gives the eager forward's results bit for
+bit, is used for exactly the steps that are one sequence's decode, and is left out where its kernels are."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.model.one_stream import OneStreamForward
+
+PROMPT_LENS = [1, 7, 16, 17, 40, 130]  # one, several and many blocks of 16, a block boundary
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(256) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def _generate(llm: LLM, seeded: bool) -> list[tuple[list[int], list[float]]]:
+    out = []
+    for i, prompt in enumerate(_prompts()):
+        params = (SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True, logprobs=0) if seeded
+                  else SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0))
+        (res,) = llm.generate([prompt], params, use_tqdm=False)
+        completion = res.outputs[0]
+        out.append((list(completion.token_ids), [lp[t] for lp, t in zip(completion.logprobs, completion.token_ids,
+                                                                          strict=True)]))
+    return out
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_matches_the_eager_forward_exactly(tiny_model: tuple[str, Path], seeded: bool) -> None:
+    arch, folder = tiny_model
+    # no prefix caching: the second run's prompt steps would start from the first's blocks
+    llm = LLM(str(folder), dtype="bfloat16", attention_backend="cpp", enable_prefix_caching=False)
+    model = llm.engine.model
+    if arch == "qwen3":  # per-head q/k norms: not taken
+        assert model.one_stream_forward is None
+        return
+    forward = model.one_stream_forward
+    assert forward is not None
+    calls: list[int] = []
+    one_call = forward.__call__
+
+    def counted(*args: object) -> torch.Tensor | None:
+        out = one_call(*args)  # type: ignore[arg-type]
+        calls.append(out is not None)
+        return out
+
+    model.one_stream_forward = type("Counted", (), {"__call__": staticmethod(counted)})()  # type: ignore[assignment]
+    with_it = _generate(llm, seeded)
+    model.one_stream_forward = None
+    eager = _generate(llm, seeded)
+    assert with_it == eager  # token ids and logprobs, exactly
+    # taken for every decode step (23 per request) and the one-token prompt, declined for the other prompts
+    assert len(calls) == len(PROMPT_LENS) * 24 and sum(calls) == len(PROMPT_LENS) * 23 + 1
+
+
+def test_declines_steps_that_are_not_one_decode(tiny_model: tuple[str, Path]) -> None:
+    """Two sequences decoding together run the eager forward, and give what each gives alone."""
+    arch, folder = tiny_model
+    if arch == "qwen3":
+        pytest.skip("no one-call forward for per-head q/k norms (checked above)")
+    llm = LLM(str(folder), dtype="bfloat16", attention_backend="cpp")
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(_prompts()[1:3], params, use_tqdm=False)]
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in _prompts()[1:3]]
+    assert together == alone
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(dtype="float32"), "not bfloat16"),
+    (dict(dtype="bfloat16", attention_backend="sdpa"), "not the cpp kernel"),
+    (dict(dtype="bfloat16", kv_cache_dtype="int8"), "KV cache"),
+    (dict(dtype="bfloat16", fused_ops=False), "fused elementwise ops are off"),
+])
+def test_left_out_where_its_kernels_are(tiny_model: tuple[str, Path], caplog: pytest.LogCaptureFixture,
+                                        kwargs: dict, reason: str) -> None:
+    arch, folder = tiny_model
+    if arch != "llama":
+        pytest.skip("one architecture is enough")
+    with caplog.at_level("INFO", logger="pagoda.model.one_stream"):
+        llm = LLM(str(folder), **kwargs)
+    assert llm.engine.model.one_stream_forward is None
+    assert any(reason in r.getMessage() for r in caplog.records) or kwargs.get("fused_ops") is False
+
+
+def test_applies_to_one_decode_only() -> None:
+    from pagoda.layers.attention.backend import build_attention_metadata
+
+    one = build_attention_metadata([([0, 1], 20, 1)], 16)
+    two = build_attention_metadata([([0, 1], 20, 1), ([2], 5, 1)], 16)
+    prompt = build_attention_metadata([([0, 1], 0, 20)], 16)
+    assert OneStreamForward.applies(one)
+    assert not OneStreamForward.applies(two) and not OneStreamForward.applies(prompt)
