@@ -70,10 +70,11 @@ def test_cpp_kernel_on_long_scattered_contexts(num_seqs: int) -> None:
 
 
 @pytest.mark.parametrize(("hkv", "group", "block_size", "d"), [(2, 1, 16, 64), (2, 2, 32, 32), (1, 8, 16, 16),
-                                                                 (4, 4, 16, 48)])
+                                                                 (4, 4, 16, 48), (3, 3, 64, 64)])
 def test_cpp_kernel_head_shapes(hkv: int, group: int, block_size: int, d: int) -> None:
     """Head shapes that give the kernel's score loop each of its splits of head_dim into partial sums (DS =
-    4, 2 and 1 in cpp_kernel.cpp), in float32 and bfloat16 caches, against the float64 reference."""
+    4, 2 and 1 in cpp_kernel.cpp), and block sizes that give 4, 2 and 1 blocks per softmax update (CB), in
+    float32 and bfloat16 caches, against the float64 reference."""
     from tests.layers.test_kv_quant import make_cache
 
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):

@@ -87,29 +87,41 @@ static inline vf load16(const elem_t* p, const float* table) {
 // of `bench.decode_attention --layers 30 --versus-rev`. The scales (float16, a few bytes a block) are left to
 // the hardware. cpp.py chooses the distance; BENCHMARKS.md has the measurements.
 constexpr int64_t PREFETCH_AHEAD = PAGODA_PREFETCH_AHEAD;
+// Blocks whose scores go through one online-softmax update, 64 tokens' worth: the update (a maximum and a
+// sum across lanes, two exponentials, a rescale of the output) is a chain of dependent instructions per
+// query head, paid per step rather than per block. Four blocks of 16 against one: bfloat16 decode attention
+// 1.07x faster with the caches in memory, 1.15x with one layer's in L3; two blocks gave 1.04x and 1.09x
+// (`bench.decode_attention --layers 30 / 1 --versus-rev`, BENCHMARKS.md).
+constexpr int64_t CB = BS >= 64 ? 1 : 64 / BS;
 constexpr int64_t LINES = HKV * D * BS * int64_t(sizeof(elem_t)) / 64;  // of one block's K (or V)
-constexpr int64_t PREFETCH_STEPS = HKV * (D / DS) + HKV * BS;
+constexpr int64_t PREFETCH_STEPS = HKV * (D / DS) + HKV * BS;         // of one block's K and V loops
 constexpr int64_t PREFETCH_PER_STEP = (2 * LINES + PREFETCH_STEPS - 1) / PREFETCH_STEPS;
+// Prefetches the K and V lines of up to CB blocks, PREFETCH_PER_STEP lines at each step() (block by block,
+// K's lines then V's).
 struct Prefetcher {
-  const char* k = nullptr;
-  const char* v = nullptr;
-  int64_t next = 2 * LINES;  // lines issued so far, K's then V's; 2 * LINES: none (left) to prefetch
-  void start(const elem_t* kc, const elem_t* vc, int64_t block) {
-    k = reinterpret_cast<const char*>(kc + block * HKV * D * BS);
-    v = reinterpret_cast<const char*>(vc + block * BS * HKV * D);
+  const char* k[CB] = {};
+  const char* v[CB] = {};
+  int64_t next = 0, total = 0;  // lines issued so far, of total
+  void start(const elem_t* kc, const elem_t* vc, const int64_t* blocks, int64_t n) {
+    for (int64_t c = 0; c < n; ++c) {
+      k[c] = reinterpret_cast<const char*>(kc + blocks[c] * HKV * D * BS);
+      v[c] = reinterpret_cast<const char*>(vc + blocks[c] * BS * HKV * D);
+    }
     next = 0;
+    total = 2 * LINES * n;
   }
   inline void step() {
     if constexpr (PREFETCH_AHEAD == 0) return;
 #pragma GCC unroll 4
     for (int64_t i = 0; i < PREFETCH_PER_STEP; ++i, ++next) {
-      if (next < LINES) __builtin_prefetch(k + next * 64, 0, 2);
-      else if (next < 2 * LINES) __builtin_prefetch(v + (next - LINES) * 64, 0, 2);
+      if (next >= total) return;
+      const int64_t c = next / (2 * LINES), line = next % (2 * LINES);
+      __builtin_prefetch(line < LINES ? k[c] + line * 64 : v[c] + (line - LINES) * 64, 0, 2);
     }
   }
-  void finish() {  // what the steps left (the block had fewer than BS tokens)
+  void finish() {  // what the steps left (the step had fewer blocks or tokens than the next)
     if constexpr (PREFETCH_AHEAD == 0) return;
-    while (next < 2 * LINES) step();
+    while (next < total) step();
   }
 };
 
@@ -120,11 +132,11 @@ struct Prefetcher {
 // the BS tokens of a block are BS lanes of one vector, accumulated over d with the G query heads of a
 // KV head sharing each load (no horizontal sums). V blocks are (BS, HKV, D): each query head's output
 // (D lanes) stays in registers while the block's tokens are added in. Scales multiply the scores (K)
-// and the softmax weights (V), never the elements.
+// and the softmax weights (V), never the elements. Blocks are taken CB at a time.
 static void attend_span(const float* q, const elem_t* k, const elem_t* v, const uint16_t* ks, const uint16_t* vs,
                         const float* table, const int64_t* blocks, int64_t j0, int64_t j1, int64_t seq_len,
                         float* m, float* l, float* acc) {
-  alignas(64) float s[HQ][BS];  // one block's scores, then its softmax weights
+  alignas(64) float s[HQ][CB * BS];  // the step's scores, then its softmax weights
   for (int64_t h = 0; h < HQ; ++h) {
     m[h] = -std::numeric_limits<float>::infinity();
     l[h] = 0.0f;
@@ -132,74 +144,71 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
   }
   [[maybe_unused]] const _Float16* kscale = reinterpret_cast<const _Float16*>(ks);
   [[maybe_unused]] const _Float16* vscale = reinterpret_cast<const _Float16*>(vs);
-  for (int64_t j = j0; j < j1; ++j) {
-    const int64_t block = blocks[j];
-    const int64_t nt = std::min<int64_t>(BS, seq_len - j * BS);
+  vi32 lane;
+  for (int64_t i = 0; i < L; ++i) lane[i] = int32_t(i);
+  for (int64_t j = j0; j < j1; j += CB) {
+    const int64_t nb = std::min<int64_t>(CB, j1 - j);  // blocks in this step
+    const int64_t ntok = std::min<int64_t>(nb * BS, seq_len - j * BS);  // their tokens (the last may be partial)
     Prefetcher pf;
-    if (PREFETCH_AHEAD > 0 && j + PREFETCH_AHEAD < j1) pf.start(k, v, blocks[j + PREFETCH_AHEAD]);
-    for (int64_t h = 0; h < HKV; ++h) {
-      const elem_t* kb = k + (block * HKV + h) * D * BS;
-      vf sp[DS][G][NT] = {};
-      for (int64_t d0 = 0; d0 < D; d0 += DS) {
-        pf.step();
+    if (PREFETCH_AHEAD > 0 && j + CB * PREFETCH_AHEAD < j1) {
+      pf.start(k, v, blocks + j + CB * PREFETCH_AHEAD, std::min<int64_t>(CB, j1 - j - CB * PREFETCH_AHEAD));
+    }
+    for (int64_t c = 0; c < nb; ++c) {
+      const int64_t block = blocks[j + c];
+      for (int64_t h = 0; h < HKV; ++h) {
+        const elem_t* kb = k + (block * HKV + h) * D * BS;
+        vf sp[DS][G][NT] = {};
+        for (int64_t d0 = 0; d0 < D; d0 += DS) {
+          pf.step();
 #pragma GCC unroll 16
-        for (int64_t e = 0; e < DS; ++e) {
-          const int64_t d = d0 + e;
-          vf kd[NT];
+          for (int64_t e = 0; e < DS; ++e) {
+            const int64_t d = d0 + e;
+            vf kd[NT];
 #pragma GCC unroll 16
-          for (int64_t c = 0; c < NT; ++c) kd[c] = load16(kb + d * BS + c * L, table);
+            for (int64_t t = 0; t < NT; ++t) kd[t] = load16(kb + d * BS + t * L, table);
 #pragma GCC unroll 16
-          for (int64_t g = 0; g < G; ++g) {
-            const float qv = q[(h * G + g) * D + d];
+            for (int64_t g = 0; g < G; ++g) {
+              const float qv = q[(h * G + g) * D + d];
 #pragma GCC unroll 16
-            for (int64_t c = 0; c < NT; ++c) sp[e][g][c] += qv * kd[c];
+              for (int64_t t = 0; t < NT; ++t) sp[e][g][t] += qv * kd[t];
+            }
+          }
+        }
+#pragma GCC unroll 16
+        for (int64_t g = 0; g < G; ++g) {
+#pragma GCC unroll 16
+          for (int64_t t = 0; t < NT; ++t) {
+            vf sg = sp[0][g][t];
+#pragma GCC unroll 16
+            for (int64_t e = 1; e < DS; ++e) sg += sp[e][g][t];
+#if PAGODA_SCALES == 1
+            vf sc;
+            for (int64_t i = 0; i < L; ++i) sc[i] = float(kscale[(block * BS + t * L + i) * HKV + h]);
+            sg *= sc;
+#elif PAGODA_SCALES == 2
+            sg *= float(kscale[block * HKV + h]);
+#endif
+            std::memcpy(&s[h * G + g][c * BS + t * L], &sg, sizeof(vf));
           }
         }
       }
-      vf sg[G][NT];
-#pragma GCC unroll 16
-      for (int64_t g = 0; g < G; ++g) {
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < NT; ++c) {
-          sg[g][c] = sp[0][g][c];
-#pragma GCC unroll 16
-          for (int64_t e = 1; e < DS; ++e) sg[g][c] += sp[e][g][c];
-        }
-      }
-#pragma GCC unroll 16
-      for (int64_t g = 0; g < G; ++g) {
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < NT; ++c) {
-#if PAGODA_SCALES == 1
-          vf sc;
-          for (int64_t i = 0; i < L; ++i) sc[i] = float(kscale[(block * BS + c * L + i) * HKV + h]);
-          sg[g][c] *= sc;
-#elif PAGODA_SCALES == 2
-          sg[g][c] *= float(kscale[block * HKV + h]);
-#endif
-          std::memcpy(&s[h * G + g][c * L], &sg[g][c], sizeof(vf));
-        }
-      }
     }
-    vi32 lane;
-    for (int64_t i = 0; i < L; ++i) lane[i] = int32_t(i);
+    const int64_t nv = nb * NT;  // score vectors of the step
     for (int64_t h = 0; h < HQ; ++h) {
-      vf sv[NT];
-      std::memcpy(sv, s[h], sizeof(sv));
+      vf sv[CB * NT];
+      std::memcpy(sv, s[h], nv * sizeof(vf));
       vf vmax = vf{} - std::numeric_limits<float>::infinity();
-#pragma GCC unroll 16
-      for (int64_t c = 0; c < NT; ++c) {
-        if (nt < BS) sv[c] = lane + int32_t(c * L) < int32_t(nt) ? sv[c] : vf{} - std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < nv; ++c) {
+        if (ntok < nv * L) sv[c] = lane + int32_t(c * L) < int32_t(ntok) ? sv[c] : vf{} - std::numeric_limits<float>::infinity();
         vmax = vmax > sv[c] ? vmax : sv[c];
       }
       const float mx = std::max(m[h], hmax(vmax));
       const float correction = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : exp2_neg(m[h] - mx);
       m[h] = mx;
       vf vsum = {};
-#pragma GCC unroll 16
-      for (int64_t c = 0; c < NT; ++c) {
+      for (int64_t c = 0; c < nv; ++c) {
         vf p = exp2_neg(sv[c] - mx);
-        if (nt < BS) p = lane + int32_t(c * L) < int32_t(nt) ? p : vf{};
+        if (ntok < nv * L) p = lane + int32_t(c * L) < int32_t(ntok) ? p : vf{};
         vsum += p;
         std::memcpy(&s[h][c * L], &p, sizeof(p));
       }
@@ -212,24 +221,28 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
     for (int64_t h = 0; h < HKV; ++h) {
       vf a[G][ND];
       std::memcpy(a, acc + h * G * D, sizeof(a));
-      for (int64_t t = 0; t < nt; ++t) {
-        pf.step();
-        const elem_t* vr = v + ((block * BS + t) * HKV + h) * D;
+      for (int64_t c = 0; c < nb; ++c) {
+        const int64_t block = blocks[j + c];
+        const int64_t nt = std::min<int64_t>(BS, ntok - c * BS);
+        for (int64_t t = 0; t < nt; ++t) {
+          pf.step();
+          const elem_t* vr = v + ((block * BS + t) * HKV + h) * D;
 #if PAGODA_SCALES == 1
-        const float sc = float(vscale[(block * BS + t) * HKV + h]);
+          const float sc = float(vscale[(block * BS + t) * HKV + h]);
 #elif PAGODA_SCALES == 2
-        const float sc = float(vscale[block * HKV + h]);
+          const float sc = float(vscale[block * HKV + h]);
 #else
-        const float sc = 1.0f;
+          const float sc = 1.0f;
 #endif
-        vf vd[ND];
+          vf vd[ND];
 #pragma GCC unroll 16
-        for (int64_t c = 0; c < ND; ++c) vd[c] = load16(vr + c * L, table);
+          for (int64_t i = 0; i < ND; ++i) vd[i] = load16(vr + i * L, table);
 #pragma GCC unroll 16
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = s[h * G + g][t] * sc;
+          for (int64_t g = 0; g < G; ++g) {
+            const float w = s[h * G + g][c * BS + t] * sc;
 #pragma GCC unroll 16
-          for (int64_t c = 0; c < ND; ++c) a[g][c] += w * vd[c];
+            for (int64_t i = 0; i < ND; ++i) a[g][i] += w * vd[i];
+          }
         }
       }
       std::memcpy(acc + h * G * D, a, sizeof(a));
