@@ -108,8 +108,8 @@ VERSUS = {
                         "opaque op)",
     "eager-one-stream": "one stream's steps in one C++ call (pagoda/model/one_stream.py) against the eager "
                         "forward",
-    "no-prefetch": "with the cpp backend, its kernel prefetching the next block's K and V (whatever the cache's "
-                   "element size; the engine does for 1- and 2-byte elements) against not prefetching",
+    "no-prefetch": "with the cpp backend, its kernel prefetching the next blocks' K and V (as the engine does) "
+                   "against not prefetching",
     "torch-elementwise": "the elementwise steps as torch ops, not the fused C++ ones (--no-fused-ops)",
     "torch-sampler": "the sampler's torch code for every row, not the C++ pass for plain rows (--no-fused-ops)",
     "length-groups": "with the cpp backend, decodes in groups of similar length (as for sdpa), not one group",

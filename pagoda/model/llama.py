@@ -3,7 +3,7 @@
 Differences are options, not branches per model: q/k/v biases (Qwen2), per-head q/k RMSNorm
 (Qwen3), tied embeddings, llama3 rope scaling. Parameter names follow HF so loading is a name map, except
 for two merged projections (as vLLM merges them): q, k and v are one linear, `qkv_proj`, and the MLP's gate
-and up are one, `gate_up_proj`; the checkpoint's separate weights are rows of these (CHECKPOINT_SHARDS).
+and up are one, `gate_up_proj`; the checkpoint's separate weights are rows of these (MERGED_PROJECTIONS).
 One matmul in place of three (two) reads the input once and makes fewer, larger calls: a step's matmuls
 alone 1.15x faster at 64 and 128 rows and 1.20x at 2,048 in bfloat16; whole bfloat16 steps 1.04x at
 2,048 prompt tokens, 1.03x for one stream, and 0.91-1.06x (four runs) at 128 decodes, where attention
@@ -24,7 +24,6 @@ from pagoda.layers.attention.compiled import paged_decode_attention
 from pagoda.layers.elementwise import ElementwiseOps
 from pagoda.layers.layernorm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding
-from pagoda.model import one_stream
 from pagoda.model.compiled_forward import (
     OneStreamDecode,
     compile_forward,
@@ -35,13 +34,13 @@ from pagoda.model.compiled_forward import (
     write_kv,
 )
 from pagoda.model.one_stream import OneStreamForward
+from pagoda.model.one_stream import build as build_one_stream_forward
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
-# checkpoint module name -> (merged module, index of its part); a part's rows follow the parts before it
-CHECKPOINT_SHARDS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-                     "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-                     "mlp.up_proj": ("mlp.gate_up_proj", 1)}
+# merged module -> the checkpoint's modules whose weights are its rows, in order
+MERGED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                      "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 @dataclass(frozen=True)
@@ -204,7 +203,8 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[PagedKVCache], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden).
 
-        Runs the compiled forward when `enable_compiled_forward()` made one.
+        Runs the compiled forward when `enable_compiled_forward()` made one, and one sequence's decode steps
+        in one C++ call when `enable_one_stream_forward()` could build it.
         """
         if self.compiled_one_stream is not None and (inputs := one_stream_decode_inputs(meta)) is not None:
             return self.compiled_one_stream(input_ids, positions, *inputs)
@@ -253,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
     def enable_one_stream_forward(self, kv_caches: list[PagedKVCache]) -> float:
         """One sequence's decode steps in one C++ call (pagoda/model/one_stream.py), where the eager path's
         kernels allow it (after enable_fused_ops and enable_gemv); returns the seconds its build took."""
-        self.one_stream_forward, seconds = one_stream.build(self, kv_caches)
+        self.one_stream_forward, seconds = build_one_stream_forward(self, kv_caches)
         return seconds
 
     def enable_fused_ops(self, dtype: torch.dtype) -> float:
@@ -274,13 +274,12 @@ class LlamaForCausalLM(nn.Module):
         out: dict[str, tuple[str, slice]] = {}
         for name, param in self.named_parameters(remove_duplicate=False):
             module, _, kind = name.rpartition(".")
-            merged = next((m for m in part_rows if module.endswith("." + m)), None)
+            merged = next((m for m in MERGED_PROJECTIONS if module.endswith("." + m)), None)
             if merged is None:
                 out[name] = (name, slice(0, param.shape[0]))
                 continue
-            layer = module[: -len(merged)]
-            for part, (target, index) in CHECKPOINT_SHARDS.items():
-                if target == merged:
-                    start = sum(part_rows[merged][:index])
-                    out[f"{layer}{part}.{kind}"] = (name, slice(start, start + part_rows[merged][index]))
+            layer, start = module[: -len(merged)], 0
+            for part, rows in zip(MERGED_PROJECTIONS[merged], part_rows[merged], strict=True):
+                out[f"{layer}{part}.{kind}"] = (name, slice(start, start + rows))
+                start += rows
         return out

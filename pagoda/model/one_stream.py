@@ -105,7 +105,8 @@ class OneStreamForward:
         if not self.applies(meta):
             return None
         group = meta.decode_groups[0]
-        table, seq_len, slot = group.block_tables.contiguous(), group.seq_lens.contiguous(), meta.slot_mapping
+        table, seq_len = group.block_tables.contiguous(), group.seq_lens.contiguous()
+        slot = meta.slot_mapping.contiguous()
         ids = input_ids.contiguous()
         assert ids.dtype == table.dtype == seq_len.dtype == slot.dtype == torch.int64
         cos, sin = self._rotary.cos_sin(positions)
