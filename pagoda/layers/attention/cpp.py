@@ -34,8 +34,8 @@ _ITEMS_PER_THREAD = 4
 # Blocks ahead of the one being read whose K and V the kernel prefetches (0: none; cpp_kernel.cpp), for
 # caches of elements of at most PREFETCH_MAX_ELEMENT_BYTES. Issued in one burst at the start of a block,
 # the prefetches made 128-request decode steps 1.075x faster in bfloat16 and 1.035x with an int8 cache,
-# but float32 ones 1.02x slower; spread through the block's work, they make float32 steps 1.01-1.06x
-# faster too, and bfloat16 ones 1.19x (`python -m pagoda.bench.decode_step --versus no-prefetch`,
+# but float32 ones 1.02x slower; spread through the block's work, they make float32 steps 1.01-1.07x
+# faster too, and bfloat16 ones 1.15-1.19x (`python -m pagoda.bench.decode_step --versus no-prefetch`,
 # BENCHMARKS.md), so every cache is prefetched.
 PREFETCH_AHEAD = 1
 PREFETCH_MAX_ELEMENT_BYTES = 4

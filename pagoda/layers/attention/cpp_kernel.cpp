@@ -77,13 +77,13 @@ static inline vf load16(const elem_t* p, const float* table) {
 }
 #endif
 
-// Ask for a block's K and V PAGODA_PREFETCH_AHEAD blocks before they are needed (0: never). A block's K and V
-// are each one contiguous run (HKV * D * BS elements), but consecutive blocks of a sequence lie anywhere in the
-// cache, so the hardware prefetcher, which follows addresses, cannot fetch the next block while this one is
-// computed. The prefetches are spread over the block's work, PREFETCH_PER_STEP at each step of its K and V
-// loops: issued in one burst at the start of the block, they waited for the core's few line-fill buffers and
-// held up the block's own loads (float32 decode steps were then slower with them than without). Two blocks ahead
-// was slower than one. They fetch into L2 (prefetcht1): 1.02-1.05x faster than into L1 in four alternated runs
+// Ask for the K and V of the blocks PAGODA_PREFETCH_AHEAD steps (of CB blocks, below) ahead before they are
+// needed (0: never). A block's K and V are each one contiguous run (HKV * D * BS elements), but consecutive
+// blocks of a sequence lie anywhere in the cache, so the hardware prefetcher, which follows addresses, cannot
+// fetch the next ones while these are computed. The prefetches are spread over the step's work,
+// PREFETCH_PER_STEP at each step of its K and V loops: issued in one burst at the start of a block, they waited
+// for the core's few line-fill buffers and held up the block's own loads (float32 decode steps were then slower
+// with them than without). With one block per step, two blocks ahead was slower than one. They fetch into L2 (prefetcht1): 1.02-1.05x faster than into L1 in four alternated runs
 // of `bench.decode_attention --layers 30 --versus-rev`. The scales (float16, a few bytes a block) are left to
 // the hardware. cpp.py chooses the distance; BENCHMARKS.md has the measurements.
 constexpr int64_t PREFETCH_AHEAD = PAGODA_PREFETCH_AHEAD;
