@@ -30,9 +30,9 @@ using decode_fn = void (*)(const float* q, const void* k, const void* v, const v
 // position. out: the final norm's output (hidden).
 constexpr int64_t LAYER_PTRS = 10;
 
-extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers, int64_t num_layers, const int64_t* dims,
-                                          float eps, float scale, void* const* bufs, const int64_t* ids,
-                                          const uint16_t* embed, const void* final_norm, const void* cos,
+extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers, int64_t num_layers,
+                                          const int64_t* dims, float eps, float scale, void* const* bufs,
+                                          const int64_t* ids, const uint16_t* embed, const void* final_norm, const void* cos,
                                           const void* sin, const int64_t* slot, const int64_t* block_table,
                                           const int64_t* seq_len, int64_t W, int64_t span_blocks, void* out) {
   const auto gemv = reinterpret_cast<gemv_fn>(fns[0]);

@@ -83,9 +83,10 @@ static inline vf load16(const elem_t* p, const float* table) {
 // fetch the next ones while these are computed. The prefetches are spread over the step's work,
 // PREFETCH_PER_STEP at each step of its K and V loops: issued in one burst at the start of a block, they waited
 // for the core's few line-fill buffers and held up the block's own loads (float32 decode steps were then slower
-// with them than without). With one block per step, two blocks ahead was slower than one. They fetch into L2 (prefetcht1): 1.02-1.05x faster than into L1 in four alternated runs
-// of `bench.decode_attention --layers 30 --versus-rev`. The scales (float16, a few bytes a block) are left to
-// the hardware. cpp.py chooses the distance; BENCHMARKS.md has the measurements.
+// with them than without). With one block per step, two blocks ahead was slower than one. They fetch into L2
+// (prefetcht1): 1.02-1.05x faster than into L1 in four alternated runs of `bench.decode_attention --layers 30
+// --versus-rev`. The scales (float16, a few bytes a block) are left to the hardware. cpp.py chooses the
+// distance; BENCHMARKS.md has the measurements.
 constexpr int64_t PREFETCH_AHEAD = PAGODA_PREFETCH_AHEAD;
 // Blocks whose scores go through one online-softmax update, 64 tokens' worth: the update (a maximum and a
 // sum across lanes, two exponentials, a rescale of the output) is a chain of dependent instructions per
@@ -199,7 +200,8 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
       std::memcpy(sv, s[h], nv * sizeof(vf));
       vf vmax = vf{} - std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < nv; ++c) {
-        if (ntok < nv * L) sv[c] = lane + int32_t(c * L) < int32_t(ntok) ? sv[c] : vf{} - std::numeric_limits<float>::infinity();
+        const vf masked = vf{} - std::numeric_limits<float>::infinity();
+        if (ntok < nv * L) sv[c] = lane + int32_t(c * L) < int32_t(ntok) ? sv[c] : masked;
         vmax = vmax > sv[c] ? vmax : sv[c];
       }
       const float mx = std::max(m[h], hmax(vmax));
