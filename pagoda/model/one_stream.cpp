@@ -32,8 +32,9 @@ constexpr int64_t LAYER_PTRS = 10;
 
 extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers, int64_t num_layers,
                                           const int64_t* dims, float eps, float scale, void* const* bufs,
-                                          const int64_t* ids, const uint16_t* embed, const void* final_norm, const void* cos,
-                                          const void* sin, const int64_t* slot, const int64_t* block_table,
+                                          const int64_t* ids, const uint16_t* embed, const void* final_norm,
+                                          const void* cos, const void* sin, const int64_t* slot,
+                                          const int64_t* block_table,
                                           const int64_t* seq_len, int64_t W, int64_t span_blocks, void* out) {
   const auto gemv = reinterpret_cast<gemv_fn>(fns[0]);
   const auto norm = reinterpret_cast<norm_fn>(fns[1]);
