@@ -1,9 +1,10 @@
-"""Decode attention in a C++ kernel of our own (`cpp_kernel.cpp`), compiled at start-up; prompts as SDPA.
+"""Attention in a C++ kernel of our own (`cpp_kernel.cpp`), compiled at start-up: every decode, and the prompt
+chunks `prefill_in_kernel` picks (the rest go to SDPA's flash kernel).
 
-The kernel reads each sequence's blocks in place through its block table, once, at close to memory
-bandwidth (the kernel's header says how). It is compiled at start-up (pagoda/layers/cpp_build.py), one
-library per cache layout: storage dtype, scale granularity, head shapes and block size are constants in the
-source (fully unrolled inner loops).
+The kernel reads each sequence's blocks in place through its block table, once per query tile, at close to
+memory bandwidth for decodes (the kernel's header says how). It is compiled at start-up
+(pagoda/layers/cpp_build.py), one library per cache layout: storage dtype, scale granularity, head shapes and
+block size are constants in the source (fully unrolled inner loops).
 
 Covered: caches of float32, bfloat16 or float16, and int8 / fp8 (e4m3) with float16 scales per token or
 per block, under float32 / bfloat16 / float16 models, with block_size and head_dim multiples of 16; the
@@ -51,9 +52,13 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
                    PREFETCH_AHEAD=prefetch_ahead)
     defines |= {"PORTABLE": 1} if portable else {}
     lib = load_library(_SOURCE, defines, _FLAGS, rev)
-    lib.pagoda_paged_decode.restype = lib.pagoda_write_kv.restype = None
-    lib.pagoda_paged_decode.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 3 + [ctypes.c_float]
-    lib.pagoda_write_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64]
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    signatures = {"pagoda_paged_decode": [ptr] * 10 + [i64] * 3 + [f32],
+                  "pagoda_paged_prefill": [ptr] * 7 + [i64] * 2 + [ptr, f32],
+                  "pagoda_write_kv": [ptr] * 5 + [i64]}
+    for name, argtypes in signatures.items():
+        if rev is None or hasattr(lib, name):  # an older revision (--versus-rev) may lack the prefill
+            getattr(lib, name).restype, getattr(lib, name).argtypes = None, argtypes
     return lib
 
 
@@ -125,6 +130,38 @@ def paged_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch.Te
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
+# Prompt chunks of at most this many queries that continue an earlier context go to the kernel whatever the
+# dtype: SDPA's path first gathers the whole context (bfloat16, 12 queries after 288 tokens: 3.1x faster in
+# the kernel; 32 after 480: 1.4x; 100 after 1,400: 0.58x).
+PREFILL_KERNEL_MAX_CHUNK = 32
+
+
+def prefill_in_kernel(dtype: torch.dtype, n: int, seq_len: int) -> bool:
+    """Whether a chunk of n queries ending at seq_len is attended by the kernel (else SDPA's flash kernel).
+
+    Float32 models: always (1.5-1.8x SDPA's speed on fresh prompts of 64-512 tokens). Other dtypes: only short
+    chunks after an earlier context. The kernel's arithmetic is float32 fused multiply-adds, ~100-130 GFLOP/s
+    here; SDPA's bfloat16 matmuls use AMX and reach 110-270 GFLOP/s on fresh prompts (0.5-0.97x). Measured
+    ad hoc, BENCHMARKS.md ("Prompt attention in the C++ kernel")."""
+    return dtype == torch.float32 or n < seq_len and n <= PREFILL_KERNEL_MAX_CHUNK
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int, scale: float,
+                  rev: str | None = None) -> torch.Tensor:
+    """q (n, Hq, D): a prompt chunk's queries, the last at position seq_len - 1, its K/V already in the cache;
+    block_table (>= ceil(seq_len / block_size),) int64 -> (n, Hq, D) in q's dtype, causal."""
+    n, hq, d = q.shape
+    lib = _library_for(kv_cache, hq) if rev is None else _library(*_library_args(kv_cache, hq), rev=rev)
+    qf = q.to(torch.float32).contiguous()
+    bt = block_table.contiguous()
+    assert bt.dtype == torch.int64 and bt.numel() * kv_cache.k.shape[1] >= seq_len >= n, (bt.dtype, bt.shape, seq_len)
+    out = torch.empty((n, hq, d), dtype=torch.float32)
+    table = _fp8_table() if kv_cache.k.dtype == torch.float8_e4m3fn else None
+    lib.pagoda_paged_prefill(*(None if t is None else t.data_ptr() for t in (
+        qf, kv_cache.k, kv_cache.v, kv_cache.k_scale, kv_cache.v_scale, table, bt)), n, seq_len, out.data_ptr(), scale)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
 class CppAttentionBackend(KernelBackend):
     name = "cpp"
     kernel_ready = False  # warmup built the kernel for the engine's cache
@@ -152,6 +189,12 @@ class CppAttentionBackend(KernelBackend):
         if self.fallback or not supports(kv_cache, q.dtype):
             return super().decode(q, kv_cache, group, scale)
         return paged_decode(q, kv_cache, group.block_tables, group.seq_lens, scale)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
+                block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+        if self.fallback or not supports(kv_cache, q.dtype) or not prefill_in_kernel(q.dtype, q.shape[0], seq_len):
+            return super().prefill(q, k, v, kv_cache, block_table, seq_len, scale)
+        return paged_prefill(q, kv_cache, block_table, seq_len, scale)
 
     def warmup(self, kv_cache: PagedKVCache, num_q_heads: int, dtype: torch.dtype, scale: float) -> float:
         """Compile (or load from inductor's cache) the kernel for this cache layout before serving."""

@@ -1,4 +1,5 @@
-// Paged decode attention for CPUs: one query token per sequence against its context in the paged cache.
+// Paged attention for CPUs: decodes (one query token per sequence) and prompt chunks (consecutive queries of
+// one sequence, causal) against their context in the paged cache.
 //
 // Compiled at start-up by pagoda/layers/attention/cpp.py through inductor's C++ code cache (the compiler,
 // ISA flags, OpenMP runtime and on-disk cache torch.compile uses for its own kernels), after
@@ -18,13 +19,14 @@
 // order, reads each block once, in place (K stored with the block's tokens innermost, see attend_span),
 // converts elements to float32 in registers, and keeps a running (online) softmax per query head, so
 // nothing is written but the output. Spans of one sequence are merged at the end. Measured in
-// BENCHMARKS.md ("The C++ decode kernel").
+// BENCHMARKS.md ("The C++ decode kernel"). Prompt chunks run the same loop (attend_span) with a few query
+// rows per work item sharing each load (pagoda_paged_prefill).
 
 constexpr int64_t HKV = PAGODA_HKV, G = PAGODA_G, HQ = HKV * G, D = PAGODA_D, BS = PAGODA_BS;
 
 static_assert(BS % L == 0 && D % L == 0, "the kernel takes block_size and head_dim in multiples of 16");
 constexpr int64_t NT = BS / L, ND = D / L;
-// Independent accumulator chains for the scores: with only G * NT of them (3 for the default model), each
+// Independent accumulator chains for a decode's scores: with only G * NT of them (3 for the default model), each
 // fused multiply-add waits for the one before; DS partial sums over interleaved d give 8-12 chains. With the
 // one-instruction bfloat16 load (cpp_vector.h): bfloat16 decodes 1.09-1.11x faster, int8 1.07x, float32
 // unchanged (`bench.decode_attention --versus-rev`, BENCHMARKS.md).
@@ -126,62 +128,71 @@ struct Prefetcher {
   }
 };
 
-// Attend one span of blocks [j0, j1) of one sequence: running max m, sum l and unnormalized output acc
-// for each query head. q is pre-scaled by softmax_scale * log2(e), so scores are in log2 units.
+// Attend one span of blocks [j0, j1) of one sequence with R query rows (R = 1: a decode; more: consecutive
+// positions of a prompt), row r seeing the first lens[r] tokens of the context: running max m, sum l and
+// unnormalized output acc for each (row, query head), row-major. q (R, HQ, D) is pre-scaled by
+// softmax_scale * log2(e), so scores are in log2 units.
 //
 // K blocks are stored transposed, (HKV, D, BS) per block, the block's tokens innermost: the scores of
-// the BS tokens of a block are BS lanes of one vector, accumulated over d with the G query heads of a
-// KV head sharing each load (no horizontal sums). V blocks are (BS, HKV, D): each query head's output
+// the BS tokens of a block are BS lanes of one vector, accumulated over d with the R * G query vectors of a
+// KV head sharing each load (no horizontal sums). V blocks are (BS, HKV, D): each query vector's output
 // (D lanes) stays in registers while the block's tokens are added in. Scales multiply the scores (K)
 // and the softmax weights (V), never the elements. Blocks are taken CB at a time.
+template <int64_t R>
 static void attend_span(const float* q, const elem_t* k, const elem_t* v, const uint16_t* ks, const uint16_t* vs,
-                        const float* table, const int64_t* blocks, int64_t j0, int64_t j1, int64_t seq_len,
+                        const float* table, const int64_t* blocks, int64_t j0, int64_t j1, const int64_t* lens,
                         float* m, float* l, float* acc) {
-  alignas(64) float s[HQ][CB * BS];  // the step's scores, then its softmax weights
-  for (int64_t h = 0; h < HQ; ++h) {
+  constexpr int64_t RG = R * G;  // query vectors per KV head
+  constexpr int64_t DSR = RG * NT >= 8 ? 1 : RG * NT >= 4 ? 2 : 4;  // DS for R rows
+  // A prompt's tiles reread the same blocks, which stay in L2: only decodes prefetch.
+  constexpr bool prefetch = R == 1 && PREFETCH_AHEAD > 0;
+  alignas(64) float s[R * HQ][CB * BS];  // the step's scores, then its softmax weights
+  for (int64_t h = 0; h < R * HQ; ++h) {
     m[h] = -std::numeric_limits<float>::infinity();
     l[h] = 0.0f;
     for (int64_t d = 0; d < D; ++d) acc[h * D + d] = 0.0f;
   }
+  int64_t len = 0;  // the longest row's
+  for (int64_t r = 0; r < R; ++r) len = std::max(len, lens[r]);
   [[maybe_unused]] const _Float16* kscale = reinterpret_cast<const _Float16*>(ks);
   [[maybe_unused]] const _Float16* vscale = reinterpret_cast<const _Float16*>(vs);
   vi32 lane;
   for (int64_t i = 0; i < L; ++i) lane[i] = int32_t(i);
   for (int64_t j = j0; j < j1; j += CB) {
     const int64_t nb = std::min<int64_t>(CB, j1 - j);  // blocks in this step
-    const int64_t ntok = std::min<int64_t>(nb * BS, seq_len - j * BS);  // their tokens (the last may be partial)
+    const int64_t ntok = std::min<int64_t>(nb * BS, len - j * BS);  // their tokens (the last may be partial)
     Prefetcher pf;
-    if (PREFETCH_AHEAD > 0 && j + CB * PREFETCH_AHEAD < j1) {
+    if (prefetch && j + CB * PREFETCH_AHEAD < j1) {
       pf.start(k, v, blocks + j + CB * PREFETCH_AHEAD, std::min<int64_t>(CB, j1 - j - CB * PREFETCH_AHEAD));
     }
     for (int64_t c = 0; c < nb; ++c) {
       const int64_t block = blocks[j + c];
       for (int64_t h = 0; h < HKV; ++h) {
         const elem_t* kb = k + (block * HKV + h) * D * BS;
-        vf sp[DS][G][NT] = {};
-        for (int64_t d0 = 0; d0 < D; d0 += DS) {
-          pf.step();
+        vf sp[DSR][RG][NT] = {};
+        for (int64_t d0 = 0; d0 < D; d0 += DSR) {
+          if constexpr (prefetch) pf.step();
 #pragma GCC unroll 16
-          for (int64_t e = 0; e < DS; ++e) {
+          for (int64_t e = 0; e < DSR; ++e) {
             const int64_t d = d0 + e;
             vf kd[NT];
 #pragma GCC unroll 16
             for (int64_t t = 0; t < NT; ++t) kd[t] = load16(kb + d * BS + t * L, table);
 #pragma GCC unroll 16
-            for (int64_t g = 0; g < G; ++g) {
-              const float qv = q[(h * G + g) * D + d];
+            for (int64_t rg = 0; rg < RG; ++rg) {
+              const float qv = q[((rg / G) * HQ + h * G + rg % G) * D + d];
 #pragma GCC unroll 16
-              for (int64_t t = 0; t < NT; ++t) sp[e][g][t] += qv * kd[t];
+              for (int64_t t = 0; t < NT; ++t) sp[e][rg][t] += qv * kd[t];
             }
           }
         }
 #pragma GCC unroll 16
-        for (int64_t g = 0; g < G; ++g) {
+        for (int64_t rg = 0; rg < RG; ++rg) {
 #pragma GCC unroll 16
           for (int64_t t = 0; t < NT; ++t) {
-            vf sg = sp[0][g][t];
+            vf sg = sp[0][rg][t];
 #pragma GCC unroll 16
-            for (int64_t e = 1; e < DS; ++e) sg += sp[e][g][t];
+            for (int64_t e = 1; e < DSR; ++e) sg += sp[e][rg][t];
 #if PAGODA_SCALES == 1
             vf sc;
             for (int64_t i = 0; i < L; ++i) sc[i] = float(kscale[(block * BS + t * L + i) * HKV + h]);
@@ -189,45 +200,47 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
 #elif PAGODA_SCALES == 2
             sg *= float(kscale[block * HKV + h]);
 #endif
-            std::memcpy(&s[h * G + g][c * BS + t * L], &sg, sizeof(vf));
+            std::memcpy(&s[(rg / G) * HQ + h * G + rg % G][c * BS + t * L], &sg, sizeof(vf));
           }
         }
       }
     }
     const int64_t nv = nb * NT;  // score vectors of the step
-    for (int64_t h = 0; h < HQ; ++h) {
+    for (int64_t rh = 0; rh < R * HQ; ++rh) {
+      // this row's tokens in the step: fewer than ntok for the shorter rows, none where a row ends before it
+      const int64_t rtok = std::min<int64_t>(ntok, lens[rh / HQ] - j * BS);
       vf sv[CB * NT];
-      std::memcpy(sv, s[h], nv * sizeof(vf));
+      std::memcpy(sv, s[rh], nv * sizeof(vf));
       vf vmax = vf{} - std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < nv; ++c) {
         const vf masked = vf{} - std::numeric_limits<float>::infinity();
-        if (ntok < nv * L) sv[c] = lane + int32_t(c * L) < int32_t(ntok) ? sv[c] : masked;
+        if (rtok < nv * L) sv[c] = lane + int32_t(c * L) < int32_t(rtok) ? sv[c] : masked;
         vmax = vmax > sv[c] ? vmax : sv[c];
       }
-      const float mx = std::max(m[h], hmax(vmax));
-      const float correction = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : exp2_neg(m[h] - mx);
-      m[h] = mx;
+      const float mx = std::max(m[rh], hmax(vmax));
+      const float correction = m[rh] == -std::numeric_limits<float>::infinity() ? 0.0f : exp2_neg(m[rh] - mx);
+      m[rh] = mx;
       vf vsum = {};
       for (int64_t c = 0; c < nv; ++c) {
         vf p = exp2_neg(sv[c] - mx);
-        if (ntok < nv * L) p = lane + int32_t(c * L) < int32_t(ntok) ? p : vf{};
+        if (rtok < nv * L) p = lane + int32_t(c * L) < int32_t(rtok) ? p : vf{};
         vsum += p;
-        std::memcpy(&s[h][c * L], &p, sizeof(p));
+        std::memcpy(&s[rh][c * L], &p, sizeof(p));
       }
-      l[h] = l[h] * correction + hsum(vsum);
+      l[rh] = l[rh] * correction + hsum(vsum);
       if (correction != 1.0f) {
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= correction;
+        for (int64_t d = 0; d < D; ++d) acc[rh * D + d] *= correction;
       }
     }
     for (int64_t h = 0; h < HKV; ++h) {
-      vf a[G][ND];
-      std::memcpy(a, acc + h * G * D, sizeof(a));
+      vf a[RG][ND];
+      for (int64_t r = 0; r < R; ++r) std::memcpy(a[r * G], acc + (r * HQ + h * G) * D, G * sizeof(a[0]));
       for (int64_t c = 0; c < nb; ++c) {
         const int64_t block = blocks[j + c];
         const int64_t nt = std::min<int64_t>(BS, ntok - c * BS);
         for (int64_t t = 0; t < nt; ++t) {
-          pf.step();
+          if constexpr (prefetch) pf.step();
           const elem_t* vr = v + ((block * BS + t) * HKV + h) * D;
 #if PAGODA_SCALES == 1
           const float sc = float(vscale[(block * BS + t) * HKV + h]);
@@ -240,22 +253,22 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
 #pragma GCC unroll 16
           for (int64_t i = 0; i < ND; ++i) vd[i] = load16(vr + i * L, table);
 #pragma GCC unroll 16
-          for (int64_t g = 0; g < G; ++g) {
-            const float w = s[h * G + g][c * BS + t] * sc;
+          for (int64_t rg = 0; rg < RG; ++rg) {
+            const float w = s[(rg / G) * HQ + h * G + rg % G][c * BS + t] * sc;
 #pragma GCC unroll 16
-            for (int64_t i = 0; i < ND; ++i) a[g][i] += w * vd[i];
+            for (int64_t i = 0; i < ND; ++i) a[rg][i] += w * vd[i];
           }
         }
       }
-      std::memcpy(acc + h * G * D, a, sizeof(a));
+      for (int64_t r = 0; r < R; ++r) std::memcpy(acc + (r * HQ + h * G) * D, a[r * G], G * sizeof(a[0]));
     }
-    pf.finish();
+    if constexpr (prefetch) pf.finish();
   }
 }
 
-// q (B, HQ, D) float32; k cache (num_blocks, HKV, D, BS), v cache (num_blocks, BS, HKV, D); scales as described above or null; table: fp8
-// decoding table or null; block_tables (B, W) int64; seq_lens (B,) int64 (each >= 1); out (B, HQ, D)
-// float32. Sequences are cut into spans of span_blocks blocks (the caller picks it so that there are
+// q (B, HQ, D) float32; k cache (num_blocks, HKV, D, BS), v cache (num_blocks, BS, HKV, D); scales as described
+// above or null; table: fp8 decoding table or null; block_tables (B, W) int64; seq_lens (B,) int64 (each >= 1);
+// out (B, HQ, D) float32. Sequences are cut into spans of span_blocks blocks (the caller picks it so that there are
 // enough work items for the threads); work (B, ceil(W / span_blocks), HQ, D + 2) float32 holds spans'
 // partial results. qscale = softmax scale.
 extern "C" void pagoda_paged_decode(const float* q_in, const elem_t* k, const elem_t* v, const uint16_t* ks,
@@ -277,7 +290,7 @@ extern "C" void pagoda_paged_decode(const float* q_in, const elem_t* k, const el
       alignas(64) float q[HQ * D];
       for (int64_t i = 0; i < HQ * D; ++i) q[i] = q_in[b * HQ * D + i] * (qscale * log2e);
       float* part = work + item * PART;
-      attend_span(q, k, v, ks, vs, table, block_tables + b * W, j0, j1, len, part, part + HQ, part + 2 * HQ);
+      attend_span<1>(q, k, v, ks, vs, table, block_tables + b * W, j0, j1, &len, part, part + HQ, part + 2 * HQ);
     }
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; ++b) {
@@ -301,6 +314,45 @@ extern "C" void pagoda_paged_decode(const float* q_in, const elem_t* k, const el
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       }
+    }
+  }
+}
+
+// Query rows per work item of a prompt: its R * G query vectors' outputs (R * G * ND vectors) stay in registers
+// through the V loop, so R is as large as 24 of the 32 vector registers allow (2 for the default model).
+constexpr int64_t PREFILL_ROWS = std::max<int64_t>(1, std::min<int64_t>(8, 24 / (G * ND)));
+
+// Causal attention for n consecutive queries of one sequence (a prompt or a chunk of one), the last at
+// position seq_len - 1, over its context in the paged cache (this chunk's K and V already written there):
+// query i sees the first seq_len - n + i + 1 tokens. q (n, HQ, D) float32; block_table (>= ceil(seq_len /
+// BS),) int64; out (n, HQ, D) float32; qscale = softmax scale. Work items are tiles of PREFILL_ROWS rows,
+// the longest first (the dynamic schedule then balances the short ones).
+extern "C" void pagoda_paged_prefill(const float* q_in, const elem_t* k, const elem_t* v, const uint16_t* ks,
+                                     const uint16_t* vs, const float* table, const int64_t* block_table, int64_t n,
+                                     int64_t seq_len, float* out, float qscale) {
+  constexpr int64_t R = PREFILL_ROWS;
+  const int64_t tiles = (n + R - 1) / R;
+  const float log2e = 1.4426950408889634f;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t it = 0; it < tiles; ++it) {
+    const int64_t r0 = (tiles - 1 - it) * R;
+    const int64_t rows = std::min(R, n - r0);  // the last tile's rows past n repeat its last row, unwritten
+    alignas(64) float q[R * HQ * D];
+    int64_t lens[R];
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = r0 + std::min(r, rows - 1);
+      lens[r] = seq_len - n + row + 1;
+      for (int64_t i = 0; i < HQ * D; ++i) q[r * HQ * D + i] = q_in[row * HQ * D + i] * (qscale * log2e);
+    }
+    float m[R * HQ], l[R * HQ];
+    alignas(64) float acc[R * HQ * D];
+    const int64_t blocks = (lens[rows - 1] + BS - 1) / BS;
+    attend_span<R>(q, k, v, ks, vs, table, block_table, 0, blocks, lens, m, l, acc);
+    for (int64_t rh = 0; rh < rows * HQ; ++rh) {
+      const float inv = 1.0f / l[rh];
+      float* o = out + r0 * HQ * D + rh * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[rh * D + d] * inv;
     }
   }
 }
