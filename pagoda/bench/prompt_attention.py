@@ -1,10 +1,18 @@
-"""Time torch's SDPA on one causal prompt, called with 3-D (heads, tokens, head_dim) and with 4-D
-(1, heads, tokens, head_dim) tensors, the default model's head shapes (9 query, 3 KV heads, head_dim 64).
+"""Time attention on one causal prompt, the default model's head shapes (9 query, 3 KV heads, head_dim 64).
 
     python -m pagoda.bench.prompt_attention --tokens 512
+    python -m pagoda.bench.prompt_attention --tokens 512 --paged [--context 1024]
 
-torch 2.13 on CPU runs its flash kernel only for 4-D inputs; 3-D ones go to the unfused math path.
-Prints one JSON line per dtype: milliseconds per call (median of --iters) and the kernel each took.
+Default: torch's SDPA called with 3-D (heads, tokens, head_dim) and with 4-D (1, heads, tokens, head_dim)
+tensors; torch 2.13 on CPU runs its flash kernel only for 4-D inputs, 3-D ones go to the unfused math path.
+
+--paged: the cpp backend's prompt kernels (pagoda/layers/attention/cpp_kernel.cpp: the float32 loop, and
+the AMX tiles for bfloat16 where the CPU has them) against SDPA as the engine calls it, over a paged cache
+of scattered blocks of 16. With --context C the prompt is a chunk of --tokens queries after C tokens already
+in the cache: SDPA's path then gathers the context and masks; without, SDPA takes the chunk's own K and V.
+Calls alternate in one process (the machine's speed drifts).
+
+Prints one JSON line per dtype: milliseconds per call (median of --iters) of each side.
 """
 
 from __future__ import annotations
@@ -44,11 +52,56 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batched: bool) ->
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+def _paged(args: argparse.Namespace) -> None:
+    from pagoda.layers.attention.cpp import amx_prefill_available, paged_prefill, paged_prefill_amx
+    from pagoda.layers.attention.paged_kv import PagedKVCache, k_cache_layout
+    from pagoda.layers.attention.sdpa import SDPAAttentionBackend
+    from pagoda.layers.kv_quant import KVCacheSpec
+
+    g = torch.Generator().manual_seed(0)
+    n, seq_len, bs = args.tokens, args.context + args.tokens, 16
+    num_blocks = 2 * -(-seq_len // bs) + 64
+    table = torch.randperm(num_blocks, generator=g)[: -(-seq_len // bs)]
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = PagedKVCache(k_cache_layout(torch.randn(num_blocks, 3, 64, bs, generator=g).to(dtype)),
+                             torch.randn(num_blocks, bs, 3, 64, generator=g).to(dtype), KVCacheSpec(dtype))
+        q = torch.randn(n, 9, 64, generator=g).to(dtype)
+        keys, values = cache.gather(table, dtype)
+        k, v = keys.flatten(0, 1)[seq_len - n: seq_len], values.flatten(0, 1)[seq_len - n: seq_len]
+        sides: dict[str, Callable[[], torch.Tensor]] = {
+            "sdpa": functools.partial(SDPAAttentionBackend().prefill, q, k, v, cache, table, seq_len, 0.125),
+            "cpp": functools.partial(paged_prefill, q, cache, table, seq_len, 0.125)}
+        if dtype == torch.bfloat16 and amx_prefill_available(cache, 9):
+            sides["cpp_amx"] = functools.partial(paged_prefill_amx, q, cache, table, seq_len, 0.125)
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for i in range(args.iters + 3):
+            for name, f in sides.items():
+                start = time.perf_counter()
+                f()
+                if i >= 3:
+                    times[name].append(time.perf_counter() - start)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        want = sides["sdpa"]().float()
+        print(json.dumps({"dtype": str(dtype).removeprefix("torch."), "tokens": n, "context": args.context}
+                         | {f"ms_{name}": round(m, 3) for name, m in ms.items()}
+                         | {f"sdpa_over_{name}": round(ms["sdpa"] / m, 2) for name, m in ms.items() if name != "sdpa"}
+                         | {f"max_abs_diff_{name}": float((f().float() - want).abs().max())
+                            for name, f in sides.items() if name != "sdpa"}
+                         | {"machine": machine_info()}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--paged", action="store_true", help="the cpp backend's prompt kernels against SDPA")
+    p.add_argument("--context", type=int, default=0, help="with --paged: tokens already in the cache before "
+                   "the prompt's --tokens")
     args = p.parse_args()
+    if args.context and not args.paged:
+        p.error("--context needs --paged")
+    if args.paged:
+        return _paged(args)
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         q = torch.randn(9, args.tokens, 64, generator=g).to(dtype)

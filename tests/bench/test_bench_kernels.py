@@ -27,6 +27,23 @@ def test_prompt_attention_names_the_kernel_each_layout_took(capsys: pytest.Captu
     assert rows[0]["max_abs_diff"] < 1e-5
 
 
+@pytest.mark.parametrize("context", [0, 40])
+def test_prompt_attention_paged_times_the_cpp_kernels_against_sdpa(context: int, capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    from pagoda.bench.prompt_attention import main
+
+    rows = run_module(main, ["--tokens", "20", "--iters", "1", "--paged", "--context", str(context)], capsys,
+                      monkeypatch)
+    assert [(r["dtype"], r["context"]) for r in rows] == [("float32", context), ("bfloat16", context)]
+    assert ("ms_cpp_amx" in rows[1]) == ("amx_bf16" in Path("/proc/cpuinfo").read_text())
+    assert "ms_cpp_amx" not in rows[0]
+    for r in rows:
+        assert r["ms_sdpa"] > 0 and r["ms_cpp"] > 0 and r["sdpa_over_cpp"] > 0
+        assert all(v < (1e-5 if r["dtype"] == "float32" else 5e-2) for k, v in r.items() if k.startswith("max_abs"))
+
+
 def test_decode_attention_times_each_backend(capsys: pytest.CaptureFixture[str],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     from pagoda.bench.decode_attention import main

@@ -4,6 +4,8 @@ decode groups), for plain and quantized caches."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -265,17 +267,23 @@ def test_cpp_write_matches_torch_write(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize(("hkv", "group", "block_size", "d"), [(3, 3, 16, 64), (2, 1, 16, 64), (2, 2, 32, 32),
-                                                                 (1, 8, 16, 16), (4, 4, 16, 48)])
-@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8])
+                                                                 (1, 8, 16, 16), (4, 4, 16, 48), (1, 2, 16, 96)])
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8, "bfloat16 amx"])
 def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: int, d: int,
-                                              storage: torch.dtype) -> None:
-    """Prompts from their start and chunks continuing a context, of lengths that leave the kernel's last tile
-    of rows partial (PREFILL_ROWS is 2 to 6 for these head shapes), over a cache of scattered blocks, against
-    causal attention in float64 over the same (rounded) cache."""
+                                              storage: torch.dtype | str) -> None:
+    """Prompts from their start and chunks continuing a context, of lengths that leave the kernels' last tile
+    of rows partial (PREFILL_ROWS is 2 to 6 for these head shapes; the AMX kernel's tiles are 16 rows, its
+    steps 64 keys), over a cache of scattered blocks, against causal attention in float64 over the same
+    (rounded) cache. The AMX kernel (bfloat16 queries, weights rounded to bfloat16) where this CPU has it
+    and head_dim is a multiple of 32."""
     import torch.nn.functional as F
 
-    from pagoda.layers.attention.cpp import paged_prefill
+    from pagoda.layers.attention.cpp import amx_prefill_available, paged_prefill, paged_prefill_amx
     from tests.layers.test_kv_quant import make_cache
+
+    amx = storage == "bfloat16 amx"
+    storage = torch.bfloat16 if amx else storage
+    assert isinstance(storage, torch.dtype)
 
     spec = KVCacheSpec(storage, "token") if storage == torch.int8 else KVCacheSpec(storage)
     g = torch.Generator().manual_seed(hkv * group + d)
@@ -290,13 +298,21 @@ def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: 
         cache.k.copy_(torch.randn(cache.k.shape, generator=g))
         cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     table = torch.randperm(96, generator=g)[: -(-300 // block_size)]
-    for seq_len, n in ((300, 300), (37, 37), (300, 7), (150, 2), (17 + block_size, 17)):
+    if amx:  # built for head_dim in 32s, on CPUs with AMX (this project's have it)
+        cpu_has_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
+        assert amx_prefill_available(cache, hkv * group) == (d % 32 == 0 and cpu_has_amx)
+        if d % 32 or not cpu_has_amx:
+            return
+    for seq_len, n in ((300, 300), (37, 37), (300, 7), (150, 2), (17 + block_size, 17), (128, 64), (129, 129)):
         q = torch.randn(n, hkv * group, d, generator=g)
-        got = paged_prefill(q, cache, table, seq_len, d**-0.5)
+        if amx:
+            q = q.to(torch.bfloat16)
+        got = (paged_prefill_amx if amx else paged_prefill)(q, cache, table, seq_len, d**-0.5)
         keys, values = cache.gather(table, torch.float64)
         keys, values = keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len]
         mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - n, seq_len)[:, None]
         want = F.scaled_dot_product_attention(q.double().transpose(0, 1), keys.transpose(0, 1),
                                               values.transpose(0, 1), attn_mask=mask, scale=d**-0.5,
                                               enable_gqa=True).transpose(0, 1)
-        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        tol = 2e-2 if amx else 1e-5
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)

@@ -1,5 +1,6 @@
-"""Attention in a C++ kernel of our own (`cpp_kernel.cpp`), compiled at start-up: every decode, and the prompt
-chunks `prefill_in_kernel` picks (the rest go to SDPA's flash kernel).
+"""Attention in a C++ kernel of our own (`cpp_kernel.cpp`), compiled at start-up: every decode, and prompt chunks:
+bfloat16 ones on AMX tiles where the CPU has them (`paged_prefill_amx`), others as `prefill_in_kernel` picks
+(the rest go to SDPA's flash kernel).
 
 The kernel reads each sequence's blocks in place through its block table, once per query tile, at close to
 memory bandwidth for decodes (the kernel's header says how). It is compiled at start-up
@@ -56,6 +57,9 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
     signatures = {"pagoda_paged_decode": [ptr] * 10 + [i64] * 3 + [f32],
                   "pagoda_paged_prefill": [ptr] * 7 + [i64] * 2 + [ptr, f32],
                   "pagoda_write_kv": [ptr] * 5 + [i64]}
+    if hasattr(lib, "pagoda_paged_prefill_amx"):  # compiled where the compiler targets AMX, for bfloat16 caches
+        signatures["pagoda_paged_prefill_amx"] = [ptr] * 4 + [i64] * 2 + [ptr, ptr, f32]
+        lib.pagoda_amx_init.restype = ctypes.c_int
     for name, argtypes in signatures.items():
         if rev is None or hasattr(lib, name):  # an older revision (--versus-rev) may lack the prefill
             getattr(lib, name).restype, getattr(lib, name).argtypes = None, argtypes
@@ -139,10 +143,11 @@ PREFILL_KERNEL_MAX_CHUNK = 32
 def prefill_in_kernel(dtype: torch.dtype, n: int, seq_len: int) -> bool:
     """Whether a chunk of n queries ending at seq_len is attended by the kernel (else SDPA's flash kernel).
 
-    Float32 models: always (1.5-1.8x SDPA's speed on fresh prompts of 64-512 tokens). Other dtypes: only short
-    chunks after an earlier context. The kernel's arithmetic is float32 fused multiply-adds, ~100-130 GFLOP/s
-    here; SDPA's bfloat16 matmuls use AMX and reach 110-270 GFLOP/s on fresh prompts (0.5-0.97x). Measured
-    ad hoc, BENCHMARKS.md ("Prompt attention in the C++ kernel")."""
+    Float32 models: always (1.4-1.9x SDPA's speed on fresh prompts of 290-512 tokens). Other dtypes (where the
+    AMX kernel does not apply): only short chunks after an earlier context. This kernel's arithmetic is float32
+    fused multiply-adds, ~100-130 GFLOP/s here; SDPA's bfloat16 matmuls use AMX and reach 110-270 GFLOP/s on
+    fresh prompts (0.5-0.9x). `python -m pagoda.bench.prompt_attention --paged`, BENCHMARKS.md ("Prompt
+    attention in the C++ kernel")."""
     return dtype == torch.float32 or n < seq_len and n <= PREFILL_KERNEL_MAX_CHUNK
 
 
@@ -160,6 +165,44 @@ def paged_prefill(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Te
     lib.pagoda_paged_prefill(*(None if t is None else t.data_ptr() for t in (
         qf, kv_cache.k, kv_cache.v, kv_cache.k_scale, kv_cache.v_scale, table, bt)), n, seq_len, out.data_ptr(), scale)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def amx_prefill_available(kv_cache: PagedKVCache, num_q_heads: int) -> bool:
+    """Whether this cache's library has the AMX prompt kernel (bfloat16 cache without scales, a compiler
+    targeting AMX, the OS granting the process AMX tile data)."""
+    if kv_cache.k.dtype != torch.bfloat16 or kv_cache.k_scale is not None or not AMX_PREFILL:
+        return False
+    lib = _library_for(kv_cache, num_q_heads)
+    return hasattr(lib, "pagoda_paged_prefill_amx") and _amx_granted(lib)
+
+
+@functools.cache
+def _amx_granted(lib: Any) -> bool:
+    return bool(lib.pagoda_amx_init() == 0)
+
+
+def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
+                      scale: float, rev: str | None = None) -> torch.Tensor:
+    """paged_prefill on AMX tiles: q bfloat16, a bfloat16 cache without scales (amx_prefill_available)."""
+    n, hq, d = q.shape
+    lib = _library_for(kv_cache, hq) if rev is None else _library(*_library_args(kv_cache, hq), rev=rev)
+    qb = q.contiguous()
+    bt = block_table.contiguous()
+    assert qb.dtype == kv_cache.k.dtype == torch.bfloat16 and kv_cache.k_scale is None, (qb.dtype, kv_cache.k.dtype)
+    assert bt.dtype == torch.int64 and bt.numel() * kv_cache.k.shape[1] >= seq_len >= n, (bt.dtype, bt.shape, seq_len)
+    hkv = kv_cache.k.shape[2]
+    padded = -(-seq_len // _AMX_KEYS) * _AMX_KEYS
+    work = torch.empty(2 * hkv * (padded + 8) * d, dtype=torch.bfloat16)  # K and V repacked (the kernel's layout)
+    out = torch.empty((n, hq, d), dtype=torch.float32)
+    lib.pagoda_paged_prefill_amx(qb.data_ptr(), kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), bt.data_ptr(), n,
+                                 seq_len, out.data_ptr(), work.data_ptr(), scale)
+    return out.to(q.dtype)
+
+
+_AMX_KEYS = 64  # keys per step of the AMX kernel (amx::KC)
+# bfloat16 prompts over a bfloat16 cache take the AMX kernel where it is available (`bench.prompt_attention
+# --versus amx-sdpa` turns it off for its comparison)
+AMX_PREFILL = True
 
 
 class CppAttentionBackend(KernelBackend):
@@ -192,9 +235,13 @@ class CppAttentionBackend(KernelBackend):
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-        if self.fallback or not supports(kv_cache, q.dtype) or not prefill_in_kernel(q.dtype, q.shape[0], seq_len):
+        if self.fallback or not supports(kv_cache, q.dtype):
             return super().prefill(q, k, v, kv_cache, block_table, seq_len, scale)
-        return paged_prefill(q, kv_cache, block_table, seq_len, scale)
+        if q.dtype == torch.bfloat16 and amx_prefill_available(kv_cache, q.shape[1]):
+            return paged_prefill_amx(q, kv_cache, block_table, seq_len, scale)
+        if prefill_in_kernel(q.dtype, q.shape[0], seq_len):
+            return paged_prefill(q, kv_cache, block_table, seq_len, scale)
+        return super().prefill(q, k, v, kv_cache, block_table, seq_len, scale)
 
     def warmup(self, kv_cache: PagedKVCache, num_q_heads: int, dtype: torch.dtype, scale: float) -> float:
         """Compile (or load from inductor's cache) the kernel for this cache layout before serving."""

@@ -357,6 +357,306 @@ extern "C" void pagoda_paged_prefill(const float* q_in, const elem_t* k, const e
   }
 }
 
+#if PAGODA_ELEM == 1 && PAGODA_SCALES == 0 && PAGODA_D % 32 == 0 && PAGODA_BS % 16 == 0 && defined(__AMX_TILE__) && \
+    defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(PAGODA_PORTABLE)
+// Prompt attention on AMX tiles, for bfloat16 queries over a bfloat16 cache: the float32 loop above does ~16
+// multiply-adds per instruction, the tiles' dot products 16 x 16 x 32 each. Flash attention in tiles of 16
+// query rows (one query head) by 64 keys:
+//   scores (16 x 64 float32, four tiles) = q (16 x D) . K^T, each tile summed over D in steps of 32;
+//   an online softmax per row in vector code (scale, causal mask, running max and sum, exp2_neg);
+//   the weights rounded to bfloat16 (as SDPA's flash kernel rounds them), then out (16 x D) += weights . V,
+//   16 columns of D at a time, into float32 accumulators rescaled by the softmax's correction.
+// The tiles' B operand wants pairs of consecutive reduction indices side by side ("VNNI"): K as (D / 2, key,
+// 2), V as (key / 2, D, 2). A first pass copies the chunk's context out of the paged cache into that layout,
+// once per call (a few hundred KB), and every tile of queries reads it there.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace amx {
+constexpr int64_t KC = 64;  // keys per step
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+// Tiles 0-3: scores; 4: q (A); 5: K or V (B); 6: weights (A); 7: a 16 x 16 block of out. All 16 rows of 64 bytes.
+static TileConfig config() {
+  TileConfig c;
+  for (int i = 0; i < 8; ++i) c.rows[i] = 16, c.colsb[i] = 64;
+  return c;
+}
+
+// A vector's maximum and sum by halving (four dependent steps where hmax / hsum chain fifteen): once per row
+// and step, they are on this kernel's critical path.
+template <typename Op>
+static inline float fold(vf x, Op op) {
+  x = op(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return x[0];
+}
+static inline float fold_max(vf x) { return fold(x, [](vf a, vf b) { return a > b ? a : b; }); }
+static inline float fold_sum(vf x) { return fold(x, [](vf a, vf b) { return a + b; }); }
+
+// 2^x for x <= 0 as exp2_neg (cpp_vector.h) computes it, with the series to degree 4 instead of 7: relative
+// error under 5e-5, where the weights it gives are then rounded to bfloat16 (8 bits, 4e-3).
+static inline vf exp2_short(vf x) {
+  x = x < -126.0f ? vf{} - 126.0f : x;
+  const vf n = (x + 12582912.0f) - 12582912.0f;
+  const vf f = (x - n) * 0.6931471805599453f;
+  vf p = vf{} + 4.1666666666666667e-2f;
+  p = madd(p, f, vf{} + 1.6666666666666667e-1f);
+  p = madd(p, f, vf{} + 0.5f);
+  p = madd(p, f, vf{} + 1.0f);
+  p = madd(p, f, vf{} + 1.0f);
+  const vi32 bits = (__builtin_convertvector(n, vi32) + 127) << 23;
+  vf two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+static inline __m512 vf_to_m512(vf x) {
+  __m512 r;
+  std::memcpy(&r, &x, sizeof(r));
+  return r;
+}
+}  // namespace amx
+
+// 0 once the OS lets this process use AMX tile data (Linux asks each process to request it), else -1.
+extern "C" int pagoda_amx_init() {
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+}
+
+// As pagoda_paged_prefill, for a bfloat16 cache: q (n, HQ, D) bfloat16; work holds the packed K and V,
+// 2 * HKV * (ceil(seq_len / KC) * KC + 8) * D bfloat16.
+extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const uint16_t* k, const uint16_t* v,
+                                         const int64_t* block_table, int64_t n, int64_t seq_len, float* out,
+                                         uint16_t* work, float qscale) {
+  using namespace amx;
+  const int64_t lp = (seq_len + KC - 1) / KC * KC;  // keys, padded to whole steps
+  // K's rows are padded by a line: at a power-of-two stride, a tile's 16 rows fall into 2 of L1's 64 sets
+  const int64_t ks = lp * 2 + 32;        // K's row stride, elements
+  uint16_t* kp = work;                   // (HKV, D / 2, lp, 2), rows ks apart
+  uint16_t* vp = work + HKV * D / 2 * ks;  // (HKV, lp / 2, D, 2)
+  const int64_t groups = lp / 16;         // of 16 keys
+  const float log2e = 1.4426950408889634f;
+  const int64_t tiles = (n + 15) / 16;
+#pragma omp parallel
+  {
+    // Pack: per (KV head, 16 keys), interleaving K's rows d, d + 1 and V's rows t, t + 1. Past seq_len: zeros.
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < HKV * groups; ++item) {
+      const int64_t h = item / groups, t0 = (item % groups) * 16;
+      const int64_t block = t0 < seq_len ? block_table[t0 / BS] : -1, off = t0 % BS;
+      for (int64_t d = 0; d < D; d += 2) {
+        __m512i pair = _mm512_setzero_si512();
+        if (block >= 0) {
+          const uint16_t* row = k + ((block * HKV + h) * D + d) * BS + off;
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + BS));
+          const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+          pair = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                    _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+        }
+        _mm512_storeu_si512(kp + (h * D / 2 + d / 2) * ks + t0 * 2, pair);
+      }
+      for (int64_t t = 0; t < 16; t += 2) {
+        for (int64_t d = 0; d < D; d += 16) {
+          __m512i pair = _mm512_setzero_si512();
+          if (t0 + t < seq_len) {  // a zero weight times whatever a slot past the context holds could be NaN
+            const uint16_t* row = v + ((block * BS + off + t) * HKV + h) * D + d;
+            const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+            const __m256i b = t0 + t + 1 < seq_len ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + HKV * D))
+                                                   : _mm256_setzero_si256();
+            const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+            pair = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                      _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+          }
+          _mm512_storeu_si512(vp + ((h * lp / 2 + (t0 + t) / 2) * D + d) * 2, pair);
+        }
+      }
+    }
+    // The implicit barrier above: every tile below reads the whole packed context.
+    alignas(64) TileConfig saved;
+    _tile_storeconfig(&saved);  // oneDNN's matmuls use the tiles too, on these threads: put theirs back after
+    const TileConfig cfg = config();
+    _tile_loadconfig(&cfg);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < HKV * tiles; ++item) {
+      // A tile of 16 query rows for the G query heads of KV head h, which share each step's K and V (in L1)
+      const int64_t tile = tiles - 1 - item / HKV, h = item % HKV;  // the longest tiles first
+      const int64_t r0 = tile * 16, rows = std::min<int64_t>(16, n - r0);
+      // q's rows, read in place with q's row stride; a partial last tile is copied, zero-padded, to qb
+      alignas(64) uint16_t qb[G][16 * D];
+      const uint16_t* qt[G];
+      int64_t qstride = HQ * D * 2;
+      for (int64_t g = 0; g < G; ++g) qt[g] = q_in + (r0 * HQ + h * G + g) * D;
+      if (rows < 16) {
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t r = 0; r < 16; ++r) {
+            if (r < rows) {
+              std::memcpy(qb[g] + r * D, qt[g] + r * HQ * D, D * sizeof(uint16_t));
+            } else {
+              std::memset(qb[g] + r * D, 0, D * sizeof(uint16_t));
+            }
+          }
+          qt[g] = qb[g];
+        }
+        qstride = D * 2;
+      }
+      alignas(64) float acc[G][16 * D] = {};
+      alignas(64) float sc[16 * KC];
+      alignas(64) uint16_t pw[G][16 * KC];
+      alignas(64) float ob[16 * KC];  // 16 rows of up to 64 columns of out
+      float m[G][16], l[G][16];
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t r = 0; r < 16; ++r) m[g][r] = -std::numeric_limits<float>::infinity(), l[g][r] = 0.0f;
+      }
+      const int64_t first = seq_len - n + r0 + 1;      // the tile's first row's context length
+      const int64_t last = first + rows - 1;          // and its last row's
+      // Scores of keys kc .. kc + KC - 1 for query head g into sc. Tiles have no renaming: a load into a tile
+      // that a dot product still reads waits for it, and a dot product into the tile the previous one wrote
+      // waits for its result; so loads alternate between tiles 5 and 7, q's halves of 32 between 4 and 6,
+      // and consecutive dot products go to different accumulators.
+      auto scores = [&](int64_t kc, int64_t g) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t d = 0; d < D; d += 64) {
+          const uint16_t* kb = kp + (h * D / 2 + d / 2) * ks + kc * 2;
+          _tile_loadd(4, qt[g] + d, qstride);
+          _tile_loadd(5, kb, ks * 2);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(7, kb + 32, ks * 2);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_loadd(5, kb + 64, ks * 2);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(7, kb + 96, ks * 2);
+          _tile_dpbf16ps(3, 4, 7);
+          if (d + 32 < D) {
+            kb += 16 * ks;
+            _tile_loadd(6, qt[g] + d + 32, qstride);
+            _tile_loadd(5, kb, ks * 2);
+            _tile_dpbf16ps(0, 6, 5);
+            _tile_loadd(7, kb + 32, ks * 2);
+            _tile_dpbf16ps(1, 6, 7);
+            _tile_loadd(5, kb + 64, ks * 2);
+            _tile_dpbf16ps(2, 6, 5);
+            _tile_loadd(7, kb + 96, ks * 2);
+            _tile_dpbf16ps(3, 6, 7);
+          }
+        }
+        _tile_stored(0, sc, KC * 4);
+        _tile_stored(1, sc + 16, KC * 4);
+        _tile_stored(2, sc + 32, KC * 4);
+        _tile_stored(3, sc + 48, KC * 4);
+      };
+      // The online softmax over sc for query head g: weights (bfloat16) into pw[g], acc[g] rescaled.
+      auto softmax = [&](int64_t kc, int64_t g) {
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t len = std::min(first + r, last) - kc;  // this row's keys in the step (rows past n: the last's)
+          vf x[KC / L];
+          vf vmax = vf{} - std::numeric_limits<float>::infinity();
+          for (int64_t c = 0; c < KC / L; ++c) {
+            std::memcpy(&x[c], sc + r * KC + c * L, sizeof(vf));
+            x[c] *= qscale * log2e;
+            vi32 lane;
+            for (int64_t i = 0; i < L; ++i) lane[i] = int32_t(c * L + i);
+            if (len < KC) x[c] = lane < int32_t(len) ? x[c] : vf{} - std::numeric_limits<float>::infinity();
+            vmax = vmax > x[c] ? vmax : x[c];
+          }
+          const float mx = std::max(m[g][r], fold_max(vmax));
+          const float correction = m[g][r] == -std::numeric_limits<float>::infinity() ? 0.0f : exp2_neg(m[g][r] - mx);
+          m[g][r] = mx;
+          vf vsum = {};
+          for (int64_t c = 0; c < KC / L; ++c) {
+            vi32 lane;
+            for (int64_t i = 0; i < L; ++i) lane[i] = int32_t(c * L + i);
+            vf w = exp2_short(x[c] - mx);
+            if (len < KC) w = lane < int32_t(len) ? w : vf{};
+            const __m256bh wb = _mm512_cvtneps_pbh(vf_to_m512(w));
+            std::memcpy(pw[g] + r * KC + c * L, &wb, sizeof(wb));
+            vsum += w;
+          }
+          l[g][r] = l[g][r] * correction + fold_sum(vsum);
+          if (correction != 1.0f) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) acc[g][r * D + d] *= correction;
+          }
+        }
+      };
+      // acc[g] += pw[g] . V for keys kc .. kc + KC - 1, out's columns 64 at a time in tiles 0-3 (D is a multiple
+      // of 32: the last group may have two).
+      auto weigh = [&](int64_t kc, int64_t g) {
+        const uint16_t* vb = vp + (h * lp / 2 + kc / 2) * D * 2;
+        _tile_loadd(4, pw[g], KC * 2);  // weights of keys kc .. kc + 31
+        _tile_loadd(6, pw[g] + 32, KC * 2);  // and kc + 32 .. kc + 63
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+          const bool four = d0 + 64 <= D;
+          const uint16_t* v0 = vb + d0 * 2;  // key pairs 0-15 of the step, columns d0 ..
+          const uint16_t* v1 = v0 + 16 * D * 2;  // key pairs 16-31
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_loadd(5, v0, D * 4);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(7, v0 + 32, D * 4);
+          _tile_dpbf16ps(1, 4, 7);
+          if (four) {
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(5, v0 + 64, D * 4);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(7, v0 + 96, D * 4);
+            _tile_dpbf16ps(3, 4, 7);
+          }
+          _tile_loadd(5, v1, D * 4);
+          _tile_dpbf16ps(0, 6, 5);
+          _tile_loadd(7, v1 + 32, D * 4);
+          _tile_dpbf16ps(1, 6, 7);
+          _tile_stored(0, ob, KC * 4);
+          _tile_stored(1, ob + 16, KC * 4);
+          if (four) {
+            _tile_loadd(5, v1 + 64, D * 4);
+            _tile_dpbf16ps(2, 6, 5);
+            _tile_loadd(7, v1 + 96, D * 4);
+            _tile_dpbf16ps(3, 6, 7);
+            _tile_stored(2, ob + 32, KC * 4);
+            _tile_stored(3, ob + 48, KC * 4);
+          }
+          const int64_t nc = four ? 64 : 32;
+          for (int64_t r = 0; r < 16; ++r) {
+#pragma omp simd
+            for (int64_t i = 0; i < nc; ++i) acc[g][r * D + d0 + i] += ob[r * KC + i];
+          }
+        }
+      };
+      // Each step: all G heads' scores and softmaxes, then their weighted sums of V. A tile load of weights
+      // right after the vector stores that wrote them waits for the stores to reach L1 (~14% of the kernel's
+      // `perf` samples when each head's weights were loaded at once); by then only the last head's may wait.
+      for (int64_t kc = 0; kc < last; kc += KC) {
+        for (int64_t g = 0; g < G; ++g) {
+          scores(kc, g);
+          softmax(kc, g);
+        }
+        for (int64_t g = 0; g < G; ++g) weigh(kc, g);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const float inv = 1.0f / l[g][r];
+          float* o = out + ((r0 + r) * HQ + h * G + g) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[g][r * D + d] * inv;
+        }
+      }
+    }
+    _tile_loadconfig(&saved);
+  }
+}
+#endif
+
 // Write T new tokens' K and V (T, HKV, D), already in the storage dtype, to their slots (block * BS +
 // offset): V rows are copied whole; K elements go to the tokens-innermost layout, stride BS apart. For
 // caches without scales (quantized ones are written by torch code, pagoda/layers/kv_quant.py).
