@@ -316,3 +316,32 @@ def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: 
                                               enable_gqa=True).transpose(0, 1)
         tol = 2e-2 if amx else 1e-5
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "storage"), [(torch.float32, "model"), (torch.bfloat16, "model"),
+                                                (torch.bfloat16, "int8")])
+def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_steps' prompt chunks (fresh ones of 21, 16 and 5 tokens; continued ones of 13 and 9): float32 all
+    to the loop; bfloat16 over a bfloat16 cache all to the AMX kernel (where the CPU has it); otherwise the
+    continued ones to the loop and the fresh ones to SDPA."""
+    import pagoda.layers.attention.cpp as cpp
+
+    calls: list[tuple[str, int, int]] = []
+    for name in ("paged_prefill", "paged_prefill_amx"):
+        kernel = getattr(cpp, name)
+        monkeypatch.setattr(cpp, name, lambda q, cache, table, seq_len, scale, name=name, kernel=kernel: (
+            calls.append((name, q.shape[0], seq_len)) or kernel(q, cache, table, seq_len, scale)))
+    sdpa_prefill = SDPAAttentionBackend.prefill
+    monkeypatch.setattr(SDPAAttentionBackend, "prefill", lambda self, q, k, v, cache, table, seq_len, scale: (
+        calls.append(("sdpa", q.shape[0], seq_len)) or sdpa_prefill(self, q, k, v, cache, table, seq_len, scale)))
+    spec = KVCacheSpec(dtype) if storage == "model" else KVCacheSpec(torch.int8, "token")
+    run_steps(spec, dtype, backend=CppAttentionBackend(), bs=16)
+    chunks = [(21, 21), (16, 16), (13, 29), (5, 5), (9, 15)]
+    amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    if dtype == torch.float32:
+        want = [("paged_prefill", *c) for c in chunks]
+    elif storage == "model" and amx:
+        want = [("paged_prefill_amx", *c) for c in chunks]
+    else:
+        want = [("paged_prefill" if n < s else "sdpa", n, s) for n, s in chunks]
+    assert calls == want
