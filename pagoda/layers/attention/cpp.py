@@ -134,20 +134,20 @@ def paged_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch.Te
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-# Prompt chunks of at most this many queries that continue an earlier context go to the kernel whatever the
-# dtype: SDPA's path first gathers the whole context (bfloat16, 12 queries after 288 tokens: 3.1x faster in
-# the kernel; 32 after 480: 1.4x; 100 after 1,400: 0.58x).
+# Prompt chunks of at most this many queries that continue an earlier context go to the loop kernel whatever
+# the dtype: SDPA's path first gathers the whole context (bfloat16, 12 queries after 288 tokens: 2.2x faster
+# in the loop; 100 after 1,400: 0.67x; `bench.prompt_attention --paged --context`, BENCHMARKS.md).
 PREFILL_KERNEL_MAX_CHUNK = 32
 
 
 def prefill_in_kernel(dtype: torch.dtype, n: int, seq_len: int) -> bool:
     """Whether a chunk of n queries ending at seq_len is attended by the kernel (else SDPA's flash kernel).
 
-    Float32 models: always (1.4-1.9x SDPA's speed on fresh prompts of 290-512 tokens). Other dtypes (where the
-    AMX kernel does not apply): only short chunks after an earlier context. This kernel's arithmetic is float32
-    fused multiply-adds, ~100-130 GFLOP/s here; SDPA's bfloat16 matmuls use AMX and reach 110-270 GFLOP/s on
-    fresh prompts (0.5-0.9x). `python -m pagoda.bench.prompt_attention --paged`, BENCHMARKS.md ("Prompt
-    attention in the C++ kernel")."""
+    Float32 models: always (1.1-1.7x SDPA's speed on fresh prompts of 64-1,024 tokens, 0.9-2.9x on continued
+    chunks). Other dtypes (where the AMX kernel does not apply): only short chunks after an earlier context.
+    This kernel's arithmetic is float32 fused multiply-adds, 100-160 GFLOP/s here; SDPA's bfloat16 matmuls use
+    AMX, and in bfloat16 the loop runs at 0.4-0.9x SDPA's speed on fresh prompts. `python -m
+    pagoda.bench.prompt_attention --paged`, BENCHMARKS.md ("Prompt attention in C++")."""
     return dtype == torch.float32 or n < seq_len and n <= PREFILL_KERNEL_MAX_CHUNK
 
 
@@ -200,8 +200,8 @@ def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torc
 
 
 _AMX_KEYS = 64  # keys per step of the AMX kernel (amx::KC)
-# bfloat16 prompts over a bfloat16 cache take the AMX kernel where it is available (`bench.prompt_attention
-# --versus amx-sdpa` turns it off for its comparison)
+# bfloat16 prompts over a bfloat16 cache take the AMX kernel where it is available; False sends them to the
+# other paths (the in-engine comparison in BENCHMARKS.md set it so)
 AMX_PREFILL = True
 
 

@@ -360,12 +360,13 @@ extern "C" void pagoda_paged_prefill(const float* q_in, const elem_t* k, const e
 #if PAGODA_ELEM == 1 && PAGODA_SCALES == 0 && PAGODA_D % 32 == 0 && PAGODA_BS % 16 == 0 && defined(__AMX_TILE__) && \
     defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(PAGODA_PORTABLE)
 // Prompt attention on AMX tiles, for bfloat16 queries over a bfloat16 cache: the float32 loop above does ~16
-// multiply-adds per instruction, the tiles' dot products 16 x 16 x 32 each. Flash attention in tiles of 16
-// query rows (one query head) by 64 keys:
+// multiply-adds per instruction, the tiles' dot products 16 x 16 x 32 each. Flash attention: a work item is 16
+// consecutive query rows of the G query heads of one KV head, which share each step's K and V (in L1); for
+// each step of 64 keys and each head:
 //   scores (16 x 64 float32, four tiles) = q (16 x D) . K^T, each tile summed over D in steps of 32;
-//   an online softmax per row in vector code (scale, causal mask, running max and sum, exp2_neg);
+//   an online softmax per row in vector code (scale, causal mask, running max and sum, exp2_short);
 //   the weights rounded to bfloat16 (as SDPA's flash kernel rounds them), then out (16 x D) += weights . V,
-//   16 columns of D at a time, into float32 accumulators rescaled by the softmax's correction.
+//   64 columns of D at a time, into float32 accumulators rescaled by the softmax's correction.
 // The tiles' B operand wants pairs of consecutive reduction indices side by side ("VNNI"): K as (D / 2, key,
 // 2), V as (key / 2, D, 2). A first pass copies the chunk's context out of the paged cache into that layout,
 // once per call (a few hundred KB), and every tile of queries reads it there.
@@ -379,7 +380,8 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-// Tiles 0-3: scores; 4: q (A); 5: K or V (B); 6: weights (A); 7: a 16 x 16 block of out. All 16 rows of 64 bytes.
+// Tiles 0-3: scores, then 64 columns of out; 4 and 6: q's halves of 32 columns, then the weights (A operands);
+// 5 and 7: K or V (B), alternated. All are 16 rows of 64 bytes.
 static TileConfig config() {
   TileConfig c;
   for (int i = 0; i < 8; ++i) c.rows[i] = 16, c.colsb[i] = 64;
