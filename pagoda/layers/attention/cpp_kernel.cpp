@@ -364,7 +364,7 @@ extern "C" void pagoda_paged_prefill(const float* q_in, const elem_t* k, const e
 // consecutive query rows of the G query heads of one KV head, which share each step's K and V (in L1); for
 // each step of 64 keys and each head:
 //   scores (16 x 64 float32, four tiles) = q (16 x D) . K^T, each tile summed over D in steps of 32;
-//   an online softmax per row in vector code (scale, causal mask, running max and sum, exp2_short);
+//   an online softmax per row in vector code (scale, causal mask, running max and sum, 2^x to degree 4);
 //   the weights rounded to bfloat16 (as SDPA's flash kernel rounds them), then out (16 x D) += weights . V,
 //   64 columns of D at a time, into float32 accumulators rescaled by the softmax's correction.
 // The tiles' B operand wants pairs of consecutive reduction indices side by side ("VNNI"): K as (D / 2, key,
@@ -400,23 +400,6 @@ static inline float fold(vf x, Op op) {
 }
 static inline float fold_max(vf x) { return fold(x, [](vf a, vf b) { return a > b ? a : b; }); }
 static inline float fold_sum(vf x) { return fold(x, [](vf a, vf b) { return a + b; }); }
-
-// 2^x for x <= 0 as exp2_neg (cpp_vector.h) computes it, with the series to degree 4 instead of 7: relative
-// error under 5e-5, where the weights it gives are then rounded to bfloat16 (8 bits, 4e-3).
-static inline vf exp2_short(vf x) {
-  x = x < -126.0f ? vf{} - 126.0f : x;
-  const vf n = (x + 12582912.0f) - 12582912.0f;
-  const vf f = (x - n) * 0.6931471805599453f;
-  vf p = vf{} + 4.1666666666666667e-2f;
-  p = madd(p, f, vf{} + 1.6666666666666667e-1f);
-  p = madd(p, f, vf{} + 0.5f);
-  p = madd(p, f, vf{} + 1.0f);
-  p = madd(p, f, vf{} + 1.0f);
-  const vi32 bits = (__builtin_convertvector(n, vi32) + 127) << 23;
-  vf two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
 
 static inline __m512 vf_to_m512(vf x) {
   __m512 r;
@@ -527,30 +510,26 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const uint16_t* k
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
+// q's 32 columns from d into tile Q, then the four scores tiles += them . K's rows for those columns. A macro:
+// the tile intrinsics take tile numbers as literals.
+#define PAGODA_SCORES_32(Q, d)                                         \
+  {                                                                    \
+    const uint16_t* kb = kp + (h * D / 2 + (d) / 2) * ks + kc * 2;     \
+    _tile_loadd(Q, qt[g] + (d), qstride);                              \
+    _tile_loadd(5, kb, ks * 2);                                        \
+    _tile_dpbf16ps(0, Q, 5);                                           \
+    _tile_loadd(7, kb + 32, ks * 2);                                   \
+    _tile_dpbf16ps(1, Q, 7);                                           \
+    _tile_loadd(5, kb + 64, ks * 2);                                   \
+    _tile_dpbf16ps(2, Q, 5);                                           \
+    _tile_loadd(7, kb + 96, ks * 2);                                   \
+    _tile_dpbf16ps(3, Q, 7);                                           \
+  }
         for (int64_t d = 0; d < D; d += 64) {
-          const uint16_t* kb = kp + (h * D / 2 + d / 2) * ks + kc * 2;
-          _tile_loadd(4, qt[g] + d, qstride);
-          _tile_loadd(5, kb, ks * 2);
-          _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(7, kb + 32, ks * 2);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_loadd(5, kb + 64, ks * 2);
-          _tile_dpbf16ps(2, 4, 5);
-          _tile_loadd(7, kb + 96, ks * 2);
-          _tile_dpbf16ps(3, 4, 7);
-          if (d + 32 < D) {
-            kb += 16 * ks;
-            _tile_loadd(6, qt[g] + d + 32, qstride);
-            _tile_loadd(5, kb, ks * 2);
-            _tile_dpbf16ps(0, 6, 5);
-            _tile_loadd(7, kb + 32, ks * 2);
-            _tile_dpbf16ps(1, 6, 7);
-            _tile_loadd(5, kb + 64, ks * 2);
-            _tile_dpbf16ps(2, 6, 5);
-            _tile_loadd(7, kb + 96, ks * 2);
-            _tile_dpbf16ps(3, 6, 7);
-          }
+          PAGODA_SCORES_32(4, d)
+          if (d + 32 < D) PAGODA_SCORES_32(6, d + 32)
         }
+#undef PAGODA_SCORES_32
         _tile_stored(0, sc, KC * 4);
         _tile_stored(1, sc + 16, KC * 4);
         _tile_stored(2, sc + 32, KC * 4);
@@ -577,7 +556,7 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const uint16_t* k
           for (int64_t c = 0; c < KC / L; ++c) {
             vi32 lane;
             for (int64_t i = 0; i < L; ++i) lane[i] = int32_t(c * L + i);
-            vf w = exp2_short(x[c] - mx);
+            vf w = exp2_neg<4>(x[c] - mx);  // the weights are rounded to 8 bits
             if (len < KC) w = lane < int32_t(len) ? w : vf{};
             const __m256bh wb = _mm512_cvtneps_pbh(vf_to_m512(w));
             std::memcpy(pw[g] + r * KC + c * L, &wb, sizeof(wb));
