@@ -495,7 +495,8 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const uint16_t* k
       alignas(64) float sc[16 * KC];
       alignas(64) uint16_t pw[G][16 * KC];
       alignas(64) float ob[16 * KC];  // 16 rows of up to 64 columns of out
-      float m[G][16], l[G][16];
+      alignas(64) float m[G][16];  // running maxima, rows of one vector
+      float l[G][16];
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t r = 0; r < 16; ++r) m[g][r] = -std::numeric_limits<float>::infinity(), l[g][r] = 0.0f;
       }
@@ -537,31 +538,45 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const uint16_t* k
       };
       // The online softmax over sc for query head g: weights (bfloat16) into pw[g], acc[g] rescaled.
       auto softmax = [&](int64_t kc, int64_t g) {
+        const float scale = qscale * log2e;  // scores to log2 units
+        // Each row's maximum (masked), then the 16 rows' new running maxima and corrections as one vector
+        alignas(64) float rmax[16];
         for (int64_t r = 0; r < 16; ++r) {
           const int64_t len = std::min(first + r, last) - kc;  // this row's keys in the step (rows past n: the last's)
-          vf x[KC / L];
           vf vmax = vf{} - std::numeric_limits<float>::infinity();
           for (int64_t c = 0; c < KC / L; ++c) {
-            std::memcpy(&x[c], sc + r * KC + c * L, sizeof(vf));
-            x[c] *= qscale * log2e;
+            vf x;
+            std::memcpy(&x, sc + r * KC + c * L, sizeof(vf));
             vi32 lane;
             for (int64_t i = 0; i < L; ++i) lane[i] = int32_t(c * L + i);
-            if (len < KC) x[c] = lane < int32_t(len) ? x[c] : vf{} - std::numeric_limits<float>::infinity();
-            vmax = vmax > x[c] ? vmax : x[c];
+            if (len < KC) x = lane < int32_t(len) ? x : vf{} - std::numeric_limits<float>::infinity();
+            vmax = vmax > x ? vmax : x;
           }
-          const float mx = std::max(m[g][r], fold_max(vmax));
-          const float correction = m[g][r] == -std::numeric_limits<float>::infinity() ? 0.0f : exp2_neg(m[g][r] - mx);
-          m[g][r] = mx;
+          rmax[r] = fold_max(vmax);
+        }
+        vf mold, mnew;
+        std::memcpy(&mold, m[g], sizeof(vf));
+        std::memcpy(&mnew, rmax, sizeof(vf));
+        mnew *= scale;
+        mnew = mold > mnew ? mold : mnew;  // finite: every row has a key in the first step
+        const vf corr = exp2_neg(mold - mnew);  // ~0 where mold is -inf (the first step), when l and acc are 0
+        std::memcpy(m[g], &mnew, sizeof(vf));
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t len = std::min(first + r, last) - kc;
+          const vf shift = vf{} - mnew[r];
           vf vsum = {};
           for (int64_t c = 0; c < KC / L; ++c) {
+            vf x;
+            std::memcpy(&x, sc + r * KC + c * L, sizeof(vf));
             vi32 lane;
             for (int64_t i = 0; i < L; ++i) lane[i] = int32_t(c * L + i);
-            vf w = exp2_neg<4>(x[c] - mx);  // the weights are rounded to 8 bits
+            vf w = exp2_neg<4>(madd(x, vf{} + scale, shift));  // the weights are rounded to 8 bits
             if (len < KC) w = lane < int32_t(len) ? w : vf{};
             const __m256bh wb = _mm512_cvtneps_pbh(vf_to_m512(w));
             std::memcpy(pw[g] + r * KC + c * L, &wb, sizeof(wb));
             vsum += w;
           }
+          const float correction = corr[r];
           l[g][r] = l[g][r] * correction + fold_sum(vsum);
           if (correction != 1.0f) {
 #pragma omp simd
