@@ -61,7 +61,7 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
         signatures["pagoda_paged_prefill_amx"] = [ptr] * 4 + [i64] * 2 + [ptr, ptr, f32]
         lib.pagoda_amx_init.restype = ctypes.c_int
     for name, argtypes in signatures.items():
-        if rev is None or hasattr(lib, name):  # an older revision (--versus-rev) may lack the prefill
+        if rev is None or hasattr(lib, name):  # an older revision (decode --versus-rev) may lack the prefill
             getattr(lib, name).restype, getattr(lib, name).argtypes = None, argtypes
     return lib
 
@@ -151,12 +151,12 @@ def prefill_in_kernel(dtype: torch.dtype, n: int, seq_len: int) -> bool:
     return dtype == torch.float32 or n < seq_len and n <= PREFILL_KERNEL_MAX_CHUNK
 
 
-def paged_prefill(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int, scale: float,
-                  rev: str | None = None) -> torch.Tensor:
+def paged_prefill(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
+                  scale: float) -> torch.Tensor:
     """q (n, Hq, D): a prompt chunk's queries, the last at position seq_len - 1, its K/V already in the cache;
     block_table (>= ceil(seq_len / block_size),) int64 -> (n, Hq, D) in q's dtype, causal."""
     n, hq, d = q.shape
-    lib = _library_for(kv_cache, hq) if rev is None else _library(*_library_args(kv_cache, hq), rev=rev)
+    lib = _library_for(kv_cache, hq)
     qf = q.to(torch.float32).contiguous()
     bt = block_table.contiguous()
     assert bt.dtype == torch.int64 and bt.numel() * kv_cache.k.shape[1] >= seq_len >= n, (bt.dtype, bt.shape, seq_len)
@@ -182,10 +182,10 @@ def _amx_granted(lib: Any) -> bool:
 
 
 def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
-                      scale: float, rev: str | None = None) -> torch.Tensor:
+                      scale: float) -> torch.Tensor:
     """paged_prefill on AMX tiles: q bfloat16, a bfloat16 cache without scales (amx_prefill_available)."""
     n, hq, d = q.shape
-    lib = _library_for(kv_cache, hq) if rev is None else _library(*_library_args(kv_cache, hq), rev=rev)
+    lib = _library_for(kv_cache, hq)
     qb = q.contiguous()
     bt = block_table.contiguous()
     assert qb.dtype == kv_cache.k.dtype == torch.bfloat16 and kv_cache.k_scale is None, (qb.dtype, kv_cache.k.dtype)

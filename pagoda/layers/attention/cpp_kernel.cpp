@@ -30,7 +30,8 @@ constexpr int64_t NT = BS / L, ND = D / L;
 // fused multiply-add waits for the one before; DS partial sums over interleaved d give 8-12 chains. With the
 // one-instruction bfloat16 load (cpp_vector.h): bfloat16 decodes 1.09-1.11x faster, int8 1.07x, float32
 // unchanged (`bench.decode_attention --versus-rev`, BENCHMARKS.md).
-constexpr int64_t DS = G * NT >= 8 ? 1 : G * NT >= 4 ? 2 : 4;
+constexpr int64_t splits(int64_t chains) { return chains >= 8 ? 1 : chains >= 4 ? 2 : 4; }
+constexpr int64_t DS = splits(G * NT);  // a decode's; R query rows have R * G * NT chains (attend_span)
 
 // Sixteen consecutive cache elements as float32.
 #if PAGODA_ELEM == 0
@@ -143,7 +144,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
                         const float* table, const int64_t* blocks, int64_t j0, int64_t j1, const int64_t* lens,
                         float* m, float* l, float* acc) {
   constexpr int64_t RG = R * G;  // query vectors per KV head
-  constexpr int64_t DSR = RG * NT >= 8 ? 1 : RG * NT >= 4 ? 2 : 4;  // DS for R rows
+  constexpr int64_t DSR = splits(RG * NT);  // DS for R rows
   // A prompt's tiles reread the same blocks, which stay in L2: only decodes prefetch.
   constexpr bool prefetch = R == 1 && PREFETCH_AHEAD > 0;
   alignas(64) float s[R * HQ][CB * BS];  // the step's scores, then its softmax weights
