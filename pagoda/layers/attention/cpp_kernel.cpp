@@ -101,31 +101,38 @@ constexpr int64_t LINES = HKV * D * BS * int64_t(sizeof(elem_t)) / 64;  // of on
 constexpr int64_t PREFETCH_STEPS = HKV * (D / DS) + HKV * BS;         // of one block's K and V loops
 constexpr int64_t PREFETCH_PER_STEP = (2 * LINES + PREFETCH_STEPS - 1) / PREFETCH_STEPS;
 // Prefetches the K and V lines of up to CB blocks, PREFETCH_PER_STEP lines at each step() (block by block,
-// K's lines then V's).
+// K's lines then V's). Each block's K and V are one run of LINES lines each: step() walks a pointer through the
+// runs, a compare and an add per line (an index into the runs cost a multiply and a dozen more instructions
+// per line, as many as the vector work of a K step).
 struct Prefetcher {
-  const char* k[CB] = {};
-  const char* v[CB] = {};
-  int64_t next = 0, total = 0;  // lines issued so far, of total
+  const char* run[2 * CB] = {};  // K's and V's of each block, in order
+  int64_t runs = 0, next = 0;     // runs, and the next one to start
+  const char* line = nullptr;     // the next line, in [line, end) of the current run
+  const char* end = nullptr;
   void start(const elem_t* kc, const elem_t* vc, const int64_t* blocks, int64_t n) {
     for (int64_t c = 0; c < n; ++c) {
-      k[c] = reinterpret_cast<const char*>(kc + blocks[c] * HKV * D * BS);
-      v[c] = reinterpret_cast<const char*>(vc + blocks[c] * BS * HKV * D);
+      run[2 * c] = reinterpret_cast<const char*>(kc + blocks[c] * HKV * D * BS);
+      run[2 * c + 1] = reinterpret_cast<const char*>(vc + blocks[c] * BS * HKV * D);
     }
+    runs = 2 * n;
     next = 0;
-    total = 2 * LINES * n;
+    line = end = nullptr;
   }
   inline void step() {
     if constexpr (PREFETCH_AHEAD == 0) return;
 #pragma GCC unroll 4
-    for (int64_t i = 0; i < PREFETCH_PER_STEP; ++i, ++next) {
-      if (next >= total) return;
-      const int64_t c = next / (2 * LINES), line = next % (2 * LINES);
-      __builtin_prefetch(line < LINES ? k[c] + line * 64 : v[c] + (line - LINES) * 64, 0, 2);
+    for (int64_t i = 0; i < PREFETCH_PER_STEP; ++i, line += 64) {
+      if (line == end) {
+        if (next == runs) return;
+        line = run[next++];
+        end = line + LINES * 64;
+      }
+      __builtin_prefetch(line, 0, 2);
     }
   }
   void finish() {  // what the steps left (the step had fewer blocks or tokens than the next)
     if constexpr (PREFETCH_AHEAD == 0) return;
-    while (next < total) step();
+    while (line != end || next < runs) step();
   }
 };
 
