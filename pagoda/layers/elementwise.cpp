@@ -143,12 +143,24 @@ static inline vf reciprocal(vf d) {
 #endif
 }
 
-static inline vf silu(vf g) {
-  const vf a = g < 0.0f ? -g : g;
-  const vf e = a < 87.0f ? exp2_neg(-a * 1.4426950408889634f) : vf{};  // e^-87 ~ 2^-126: exp2_neg's floor
-  const vf sig = (g < 0.0f ? e : vf{} + 1.0f) * reciprocal(1.0f + e);
-  return g * sig;
+// silu of N vectors in place, each step across all of them (exp2_neg_n says why).
+template <int N>
+static inline void silu(vf* g) {
+  vf e[N];
+#pragma GCC unroll 16
+  for (int k = 0; k < N; ++k) e[k] = (g[k] < 0.0f ? g[k] : -g[k]) * 1.4426950408889634f;  // -|g| log2(e)
+  exp2_neg_n<N>(e);
+#pragma GCC unroll 16
+  for (int k = 0; k < N; ++k) {
+    const vf a = g[k] < 0.0f ? -g[k] : g[k];
+    e[k] = a < 87.0f ? e[k] : vf{};  // e^-87 ~ 2^-126: exp2_neg's floor
+    const vf sig = (g[k] < 0.0f ? e[k] : vf{} + 1.0f) * reciprocal(1.0f + e[k]);
+    g[k] = g[k] * sig;
+  }
 }
+
+// Vectors per step of the SiLU loop (exp2_neg_n).
+constexpr int64_t SILU_VECTORS = 4;
 
 extern "C" void pagoda_silu_mul(const elem_t* gate, const elem_t* up, int64_t in_stride, elem_t* out, int64_t rows,
                                 int64_t n) {
@@ -158,7 +170,24 @@ extern "C" void pagoda_silu_mul(const elem_t* gate, const elem_t* up, int64_t in
     const elem_t* u = up + r * in_stride;
     elem_t* o = out + r * n;
     const int64_t vec_end = n - n % L;
-    for (int64_t i = 0; i < vec_end; i += L) store(o + i, rnd(silu(load(g + i))) * load(u + i));
-    for (int64_t i = vec_end; i < n; ++i) o[i] = from_f(rnd(silu(vf{} + to_f(g[i]))[0]) * to_f(u[i]));
+    int64_t i = 0;
+    for (; i + SILU_VECTORS * L <= vec_end; i += SILU_VECTORS * L) {
+      vf x[SILU_VECTORS];
+#pragma GCC unroll 16
+      for (int64_t k = 0; k < SILU_VECTORS; ++k) x[k] = load(g + i + k * L);
+      silu<SILU_VECTORS>(x);
+#pragma GCC unroll 16
+      for (int64_t k = 0; k < SILU_VECTORS; ++k) store(o + i + k * L, rnd(x[k]) * load(u + i + k * L));
+    }
+    for (; i < vec_end; i += L) {
+      vf x = load(g + i);
+      silu<1>(&x);
+      store(o + i, rnd(x) * load(u + i));
+    }
+    for (; i < n; ++i) {
+      vf x = vf{} + to_f(g[i]);
+      silu<1>(&x);
+      o[i] = from_f(rnd(x[0]) * to_f(u[i]));
+    }
   }
 }
