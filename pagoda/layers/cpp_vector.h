@@ -53,10 +53,10 @@ static inline vf load_bf16(const uint16_t* p) {
 #if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
   // One permute of the 16 halves into the high halves of the lanes, zeroing the low ones (GCC 12 compiles the
   // generic code below to two 8-lane halves put back together, five instructions, where `perf` put a fifth of
-  // the bfloat16 decode kernel's samples). A widening load and a shift did the same in two instructions, the
-  // shift on the one port that also runs half the multiply-adds: the permute made bfloat16 decode attention
-  // 1.01-1.03x faster (`bench.decode_attention --versus-rev`, four runs) and the elementwise ops 0.99-1.24x.
-  // The GEMV is memory-bound: unchanged.
+  // the bfloat16 decode kernel's samples). A widening load and a shift did it in two instructions on the vector
+  // ports the multiply-adds use; the permute is one: bfloat16 decode attention 1.01-1.03x faster
+  // (`bench.decode_attention --versus-rev`, four runs), the elementwise ops 0.99-1.24x, the (memory-bound) GEMV
+  // unchanged.
   alignas(64) static constexpr uint16_t high_halves[32] = {0, 0, 0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7,
                                                             0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15};
   const __m512i u = _mm512_maskz_permutexvar_epi16(
@@ -111,7 +111,8 @@ static inline vf madd(vf a, vf b, vf c) {
 // exp2_neg_n: the same on N vectors in place, step by step across them. One vector's steps are a chain of ~15
 // dependent instructions (~60 cycles); a loop that calls exp2_neg on one vector after another keeps only as
 // many in flight as the core's scheduler holds, where N independent chains side by side fill both vector
-// ports: SiLU-and-multiply 1.2x faster with N = 4 (ad hoc, a standalone build; BENCHMARKS.md has the ops).
+// ports: SiLU-and-multiply 1.19-1.44x faster with N = 4 (`bench.elementwise --versus-rev`). Not in the decode
+// kernel's softmax, where other work already overlaps the chain (0.98-0.99x there).
 template <int N, int DEGREE = 7>
 static inline void exp2_neg_n(vf* x) {
   static_assert(DEGREE >= 1 && DEGREE <= 7, "the series' terms below go to degree 7");
