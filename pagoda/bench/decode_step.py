@@ -174,9 +174,9 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
         model = engine.model
         one_call = model.one_stream_forward
         if one_call is None:
-            raise SystemExit("--versus eager-one-stream needs the one-call one-stream forward: a bfloat16 model, "
-                             "the cpp attention backend, the fused ops, a bfloat16 cache (the start-up log says why "
-                             "it is off)")
+            raise SystemExit("--versus eager-one-stream needs the one-call one-stream forward: a bfloat16 or "
+                             "float32 model, the cpp attention backend, the fused ops, a cache of the model's dtype "
+                             "(the start-up log says why it is off)")
 
         def use_one_call() -> None:
             model.one_stream_forward = one_call

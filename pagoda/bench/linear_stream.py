@@ -4,7 +4,7 @@ of float32 weights from memory as the model does, for M rows (the requests in a 
 
 Compares `F.linear` on plain weights (what the model runs) with oneDNN on weights reordered once into
 its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`), the format
-inductor's freezing uses, and in bfloat16 at 1-4 rows with the engine's C++ GEMV (`gemv_ms`). Prints one
+inductor's freezing uses, and at 1-4 rows with the engine's C++ GEMV (`gemv_ms`). Prints one
 JSON line per row count: best of --repeats, in milliseconds.
 
     python -m pagoda.bench.linear_stream --rows 1,4,16,64
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.bench.common import machine_info
-from pagoda.layers.linear import GEMV_MAX_ROWS, _gemv_for, _gemv_library
+from pagoda.layers.linear import GEMV_DTYPES, GEMV_MAX_ROWS, _gemv_for, _gemv_library
 
 HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # (out, in)
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     weights.append((torch.randn(VOCAB, HIDDEN, generator=g) * 0.02).to(dtype))  # lm_head
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
-    # bfloat16, 1-GEMV_MAX_ROWS rows: also the C++ GEMV that the engine uses there (gemv.cpp)
-    gemv = _gemv_for(_gemv_library()) if dtype == torch.bfloat16 else None
+    # 1-GEMV_MAX_ROWS rows: also the C++ GEMV that the engine uses there (gemv.cpp)
+    gemv = _gemv_for(_gemv_library()) if dtype in GEMV_DTYPES else None
     with torch.inference_mode():
         for m in (int(r) for r in args.rows.split(",")):
             inputs = {k: torch.randn(m, k, generator=g).to(dtype) for k in (HIDDEN, INTERMEDIATE)}

@@ -69,7 +69,7 @@ class LLMEngine:
             self.compile_seconds += self.model.enable_compiled_forward(caches)
         elif mc.fused_ops:
             self.compile_seconds += self.model.enable_fused_ops(mc.torch_dtype)
-            self.compile_seconds += enable_gemv(self.model)  # bfloat16 linears only
+            self.compile_seconds += enable_gemv(self.model)  # bfloat16 and float32 linears
             self.compile_seconds += self.model.enable_one_stream_forward(caches)  # where those kernels allow
         if should_prepack(self.model, mc.torch_dtype, mc.prepack_weights, mc.compile_model):
             added, rows = prepack_linears(self.model)

@@ -14,7 +14,10 @@ rounding only. Not combined with --compile-model, whose graph would have to bran
 
 For one stream (1-GEMV_MAX_ROWS rows) of a bfloat16 model, oneDNN packed or not reads the weights at about
 a third of the memory's speed; a GEMV of our own (`gemv.cpp`, enabled with the fused ops) streams them
-instead, and takes those steps before the packed weight.
+instead, and takes those steps before the packed weight. Float32 linears take it too: for one row it reads the
+weights about as fast as F.linear (MKL, 0.93-1.04x), for 3-4 rows faster than the packed weight (1.12-1.41x),
+and one stream's float32 steps can then run in one C++ call (pagoda/model/one_stream.py), which calls the
+same GEMV.
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ logger = logging.getLogger(__name__)
 PACKED_ROWS: dict[torch.dtype, range] = {torch.float32: range(3, 97), torch.bfloat16: range(1, 1025)}
 
 
-# Rows (tokens in the step) that bfloat16 linears give to the C++ GEMV (gemv.cpp) once enable_gemv built it:
-# one step's matmuls 1.51-1.74x faster than oneDNN's packed weights at 1-4 rows (`bench.linear_stream`,
-# BENCHMARKS.md). A variant for 5-8 rows (two weight rows at a time) was no better than the packed weights
-# there (ad hoc), so the GEMV stops at 4.
+# Rows (tokens in the step) that bfloat16 and float32 linears give to the C++ GEMV (gemv.cpp) once enable_gemv
+# built it: in bfloat16 one step's matmuls 1.51-1.74x faster than oneDNN's packed weights at 1-4 rows
+# (`bench.linear_stream`, BENCHMARKS.md); in float32 0.93-1.04x F.linear at 1-2 rows, 1.12-1.41x the better of
+# F.linear and the packed weights at 3-4. A variant for 5-8 rows (two weight rows at a time) was no better than
+# the packed weights there (ad hoc), so the GEMV stops at 4.
 GEMV_MAX_ROWS = 4
+GEMV_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -82,26 +87,33 @@ _GEMV_SOURCE = Path(__file__).with_name("gemv.cpp")
 @functools.cache
 def _gemv_library(portable: bool = False) -> Any:
     lib = load_library(_GEMV_SOURCE, {"PORTABLE": 1} if portable else {})
-    lib.pagoda_gemv_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    lib.pagoda_gemv_bf16.restype = None
+    for fn in (lib.pagoda_gemv_bf16, lib.pagoda_gemv_f32):
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        fn.restype = None
     return lib
+
+
+def gemv_function(lib: Any, dtype: torch.dtype) -> Any:
+    """The library's GEMV for weights of dtype (one of GEMV_DTYPES)."""
+    return lib.pagoda_gemv_bf16 if dtype == torch.bfloat16 else lib.pagoda_gemv_f32
 
 
 def _gemv_for(lib: Any) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
     def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
-        lib.pagoda_gemv_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                             x.shape[0], weight.shape[0], weight.shape[1])
+        gemv_function(lib, weight.dtype)(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                         y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1])
         return y
 
     return gemv
 
 
 def enable_gemv(model: nn.Module, portable: bool = False) -> float:
-    """Give the model's bfloat16 linears (contiguous weight and bias) the C++ GEMV for steps of 1-GEMV_MAX_ROWS
-    rows; returns the seconds its build took. If the build fails (logged), they keep their other paths."""
-    layers = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16
-              and m.weight.is_contiguous() and (m.bias is None or (m.bias.dtype == torch.bfloat16
+    """Give the model's bfloat16 and float32 linears (contiguous weight and bias of the weight's dtype) the C++
+    GEMV for steps of 1-GEMV_MAX_ROWS rows; returns the seconds its build took. If the build fails (logged), they
+    keep their other paths."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.dtype in GEMV_DTYPES
+              and m.weight.is_contiguous() and (m.bias is None or (m.bias.dtype == m.weight.dtype
                                                                      and m.bias.is_contiguous()))]
     if not layers:
         return 0.0
@@ -109,13 +121,13 @@ def enable_gemv(model: nn.Module, portable: bool = False) -> float:
     try:
         gemv = _gemv_for(_gemv_library(portable))
     except Exception as e:  # no C++ compiler, ...
-        logger.warning("could not compile the bfloat16 GEMV (%s); small steps' linears use oneDNN", e)
+        logger.warning("could not compile the GEMV (%s); small steps' linears use oneDNN or F.linear", e)
         return time.perf_counter() - start
     for layer in layers:
         _install(layer)
         layer._pagoda_gemv = gemv  # type: ignore[assignment]
     seconds = time.perf_counter() - start
-    logger.info("bfloat16 GEMV for %d-%d-row steps ready in %.1f s", 1, GEMV_MAX_ROWS, seconds)
+    logger.info("GEMV for %d-%d-row steps ready in %.1f s", 1, GEMV_MAX_ROWS, seconds)
     return seconds
 
 

@@ -1,4 +1,4 @@
-// One sequence's decode step of a bfloat16 Llama-family model, every layer in one call from Python.
+// One sequence's decode step of a bfloat16 or float32 Llama-family model, every layer in one call from Python.
 //
 // With one token in the step, the forward pass is ~10 small kernels a layer around four GEMVs, and in eager
 // PyTorch each costs a Python call, a module dispatch and a ctypes call: ~10 ms of a ~22 ms step, while the
@@ -6,9 +6,16 @@
 // of the kernels the eager path uses (the fused elementwise ops, the GEMV, the paged-cache write and decode
 // attention, each compiled on its own), the layers' weights and caches, and scratch buffers, and runs them
 // in the eager path's order with the same arguments, so its output is the eager forward's, bit for bit
-// (tests/model/test_one_stream.py). Built and driven by pagoda/model/one_stream.py, after cpp_vector.h.
+// (tests/model/test_one_stream.py). Built and driven by pagoda/model/one_stream.py, after cpp_vector.h, with
+// PAGODA_ELEM #defined: 0 float32, 1 bfloat16 (the model's dtype: weights, activations and KV cache).
 
 #include <cstdint>
+
+#if PAGODA_ELEM == 0
+using elem_t = float;
+#else
+using elem_t = uint16_t;  // bfloat16
+#endif
 
 using gemv_fn = void (*)(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N, int64_t K);
 using norm_fn = void (*)(const void* x, int64_t xs, void* residual, const void* weight, void* out, int64_t rows,
@@ -25,14 +32,15 @@ using decode_fn = void (*)(const float* q, const void* k, const void* v, const v
 // layers: per layer LAYER_PTRS addresses, in this order: input norm weight, qkv weight, qkv bias (or null),
 // o weight, o bias (or null), post-attention norm weight, gate_up weight, down weight, K cache, V cache.
 // dims: hidden, q heads, KV heads, head_dim, intermediate. bufs: residual (hidden), h (hidden), qkv, q as
-// float32, attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x (hidden),
+// float32, attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x (hidden), all of
+// elem_t except the two float32 ones (unused for a float32 model, whose q and output the kernel takes as they are),
 // the decode kernel's work. ids, slot, seq_len: (1,); block_table (1, W); cos, sin: (head_dim) of this
 // position. out: the final norm's output (hidden).
 constexpr int64_t LAYER_PTRS = 10;
 
 extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers, int64_t num_layers,
                                           const int64_t* dims, float eps, float scale, void* const* bufs,
-                                          const int64_t* ids, const uint16_t* embed, const void* final_norm,
+                                          const int64_t* ids, const elem_t* embed, const void* final_norm,
                                           const void* cos, const void* sin, const int64_t* slot,
                                           const int64_t* block_table,
                                           const int64_t* seq_len, int64_t W, int64_t span_blocks, void* out) {
@@ -44,19 +52,19 @@ extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers,
   const auto decode = reinterpret_cast<decode_fn>(fns[5]);
   const int64_t H = dims[0], HQ = dims[1], HKV = dims[2], D = dims[3], I = dims[4];
   const int64_t QS = HQ * D, KVS = HKV * D, QKV = QS + 2 * KVS;
-  auto* residual = static_cast<uint16_t*>(bufs[0]);
+  auto* residual = static_cast<elem_t*>(bufs[0]);
   void* h = bufs[1];
-  auto* qkv = static_cast<uint16_t*>(bufs[2]);
-  auto* qf = static_cast<float*>(bufs[3]);
-  auto* attn_f = static_cast<float*>(bufs[4]);
-  auto* attn = static_cast<uint16_t*>(bufs[5]);
+  auto* qkv = static_cast<elem_t*>(bufs[2]);
+  [[maybe_unused]] auto* qf = static_cast<float*>(bufs[3]);
+  [[maybe_unused]] auto* attn_f = static_cast<float*>(bufs[4]);
+  auto* attn = static_cast<elem_t*>(bufs[5]);
   void* o = bufs[6];
-  auto* gate_up = static_cast<uint16_t*>(bufs[7]);
+  auto* gate_up = static_cast<elem_t*>(bufs[7]);
   void* act = bufs[8];
   void* x = bufs[9];
   auto* work = static_cast<float*>(bufs[10]);
 
-  std::memcpy(residual, embed + ids[0] * H, H * sizeof(uint16_t));  // the embedding: the residual stream
+  std::memcpy(residual, embed + ids[0] * H, H * sizeof(elem_t));  // the embedding: the residual stream
   for (int64_t l = 0; l < num_layers; ++l) {
     void* const* p = layers + l * LAYER_PTRS;
     if (l == 0) {
@@ -67,9 +75,13 @@ extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers,
     gemv(h, p[1], p[2], qkv, 1, QKV, H);
     rotary(qkv, QKV, HQ, qkv + QS, QKV, HKV, cos, sin, 1, D);
     write_kv(p[8], p[9], qkv + QS, qkv + QS + KVS, slot, 1);
+#if PAGODA_ELEM == 0
+    decode(qkv, p[8], p[9], nullptr, nullptr, nullptr, block_table, seq_len, attn, work, 1, W, span_blocks, scale);
+#else
     for (int64_t i = 0; i < QS; ++i) qf[i] = bf16_to_f(qkv[i]);
     decode(qf, p[8], p[9], nullptr, nullptr, nullptr, block_table, seq_len, attn_f, work, 1, W, span_blocks, scale);
     for (int64_t i = 0; i < QS; ++i) attn[i] = f_to_bf16(attn_f[i]);
+#endif
     gemv(attn, p[3], p[4], o, 1, H, QS);
     norm(o, H, residual, p[5], h, 1, H, eps);
     gemv(h, p[6], nullptr, gate_up, 1, 2 * I, H);

@@ -8,9 +8,10 @@ ops, the cpp backend's cache write and decode attention) to a loop in C++, with 
 preallocated scratch buffers, so a step is one call. Its output is the eager forward's, bit for bit: same
 kernels, same order, same arguments.
 
-Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 model whose
-linears have the GEMV, the fused elementwise ops, the cpp attention backend's kernel for a bfloat16 cache
-(not quantized), and no per-head q/k norm (Qwen3). Otherwise the model keeps its eager forward (logged).
+Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 or float32 model
+whose linears have the GEMV, the fused elementwise ops, the cpp attention backend's kernel for a cache of the
+model's dtype (not quantized), and no per-head q/k norm (Qwen3). Otherwise the model keeps its eager forward
+(logged).
 `--compile-model` has its own one-stream graph instead.
 """
 
@@ -31,7 +32,7 @@ from pagoda.layers.attention.cpp import CppAttentionBackend, decode_spans
 from pagoda.layers.attention.cpp import _library_for as _attention_library
 from pagoda.layers.attention.cpp import supports as cpp_supports
 from pagoda.layers.cpp_build import load_library
-from pagoda.layers.linear import _gemv_library
+from pagoda.layers.linear import GEMV_DTYPES, _gemv_library, gemv_function
 
 if TYPE_CHECKING:
     from pagoda.model.llama import DecoderLayer, LlamaForCausalLM
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("one_stream.cpp")
 _LAYER_PTRS = 10  # as in one_stream.cpp
+_ELEM = {torch.float32: 0, torch.bfloat16: 1}  # one_stream.cpp's PAGODA_ELEM
 
 
 def _address(fn: Any) -> int:
@@ -57,7 +59,8 @@ class OneStreamForward:
         gemv_lib = _gemv_library()
         elementwise = model.ops.lib
         attention = _attention_library(kv_caches[0], cfg.num_heads)
-        fns = [gemv_lib.pagoda_gemv_bf16, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
+        dtype = self._dtype = model.model.embed_tokens.weight.dtype
+        fns = [gemv_function(gemv_lib, dtype), elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
                elementwise.pagoda_silu_mul, attention.pagoda_write_kv, attention.pagoda_paged_decode]
         self._fns = (ctypes.c_void_p * len(fns))(*[_address(f) for f in fns])
 
@@ -77,12 +80,12 @@ class OneStreamForward:
             cfg.intermediate_size
         self._dims = torch.tensor([h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, inter], dtype=torch.int64)
         max_spans = self._max_spans = decode_spans(1, 1 << 30)[1]  # the most spans decode cuts one sequence into
-        bf16, f32 = torch.bfloat16, torch.float32
-        self._bufs_tensors = [torch.empty(h, dtype=bf16), torch.empty(h, dtype=bf16),
-                              torch.empty(q + 2 * kv, dtype=bf16), torch.empty(q, dtype=f32),
-                              torch.empty(q, dtype=f32), torch.empty(q, dtype=bf16), torch.empty(h, dtype=bf16),
-                              torch.empty(2 * inter, dtype=bf16), torch.empty(inter, dtype=bf16),
-                              torch.empty(h, dtype=bf16),
+        f32 = torch.float32
+        self._bufs_tensors = [torch.empty(h, dtype=dtype), torch.empty(h, dtype=dtype),
+                              torch.empty(q + 2 * kv, dtype=dtype), torch.empty(q, dtype=f32),
+                              torch.empty(q, dtype=f32), torch.empty(q, dtype=dtype), torch.empty(h, dtype=dtype),
+                              torch.empty(2 * inter, dtype=dtype), torch.empty(inter, dtype=dtype),
+                              torch.empty(h, dtype=dtype),
                               torch.empty(max_spans * cfg.num_heads * (cfg.head_dim + 2), dtype=f32)]
         self._bufs = (ctypes.c_void_p * len(self._bufs_tensors))(*[t.data_ptr() for t in self._bufs_tensors])
         self._eps = ctypes.c_float(layers[0].input_layernorm.eps)
@@ -114,7 +117,7 @@ class OneStreamForward:
         span_blocks, spans = decode_spans(1, width)
         if spans > self._max_spans:
             return None
-        out = torch.empty((1, self._hidden), dtype=torch.bfloat16)
+        out = torch.empty((1, self._hidden), dtype=self._dtype)
         self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale, self._bufs,
                  ids.data_ptr(), self._embed.data_ptr(), self._final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                  slot.data_ptr(), table.data_ptr(), seq_len.data_ptr(), width, span_blocks, out.data_ptr())
@@ -130,24 +133,24 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str 
     cfg = model.config
     layers = _layers(model)
     linears = [m for m in model.model.modules() if isinstance(m, nn.Linear)]
-    if model.model.embed_tokens.weight.dtype != torch.bfloat16:
-        return "the model is not bfloat16"
-    if model.ops.lib is None or model.ops.dtype != torch.bfloat16:
+    dtype = model.model.embed_tokens.weight.dtype
+    if dtype not in GEMV_DTYPES:
+        return "the model is not bfloat16 or float32"
+    if model.ops.lib is None or model.ops.dtype != dtype:
         return "the fused elementwise ops are off"
     if not linears or any(getattr(m, "_pagoda_gemv", None) is None for m in linears):
         return "the linears have no GEMV"
     backend = model.backend
     if not isinstance(backend, CppAttentionBackend) or not backend.kernel_ready or backend.fallback:
         return "the attention backend is not the cpp kernel"
-    if kv_caches[0].spec.quantized or kv_caches[0].k.dtype != torch.bfloat16 or not cpp_supports(kv_caches[0],
-                                                                                                torch.bfloat16):
-        return "the KV cache is not a bfloat16 one the cpp kernel reads"
+    if kv_caches[0].spec.quantized or kv_caches[0].k.dtype != dtype or not cpp_supports(kv_caches[0], dtype):
+        return "the KV cache is not one of the model's dtype that the cpp kernel reads"
     if any(layer.self_attn.q_norm is not None for layer in layers):
         return "the model has per-head q/k norms"
     tensors = [model.model.embed_tokens.weight, model.model.norm.weight, model.model.rotary.cos,
                model.model.rotary.sin] + [p for layer in layers for p in layer.parameters()]
-    if any(not t.is_contiguous() or t.dtype != torch.bfloat16 for t in tensors):
-        return "a weight is not a contiguous bfloat16 tensor"
+    if any(not t.is_contiguous() or t.dtype != dtype for t in tensors):
+        return "a weight is not a contiguous tensor of the model's dtype"
     if cfg.num_heads % cfg.num_kv_heads:
         return "query heads are not a multiple of KV heads"
     return None
@@ -162,7 +165,7 @@ def build(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> tuple[OneSt
         return None, 0.0
     start = time.perf_counter()
     try:
-        lib = load_library(_SOURCE, {})
+        lib = load_library(_SOURCE, {"ELEM": _ELEM[model.model.embed_tokens.weight.dtype]})
     except Exception as e:  # no C++ compiler, ...
         logger.warning("could not compile the one-call one-stream forward (%s); those steps run eagerly", e)
         return None, time.perf_counter() - start

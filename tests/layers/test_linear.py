@@ -1,5 +1,5 @@
-"""The linear layers' extra paths (pagoda/layers/linear.py): the C++ bfloat16 GEMV for steps of a few rows,
-and the dispatch between it, oneDNN-packed weights and F.linear."""
+"""The linear layers' extra paths (pagoda/layers/linear.py): the C++ GEMV (bfloat16 and float32) for steps of a
+few rows, and the dispatch between it, oneDNN-packed weights and F.linear."""
 
 from __future__ import annotations
 
@@ -30,16 +30,35 @@ def test_gemv_matches_float32_linear_rounded_once(portable: bool, n: int, k: int
             torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-4)
 
 
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (49, 1536), (7, 70), (130, 33)])
+def test_float32_gemv_matches_float64_linear(portable: bool, n: int, k: int) -> None:
+    """The float32 GEMV against F.linear in float64: within float32 rounding of the sums (another order);
+    tails past the last 16 elements of K, N not a multiple of 4, with and without bias, 1-4 rows."""
+    gemv = linear._gemv_for(linear._gemv_library(portable))
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g)
+    for bias in (None, torch.randn(n, generator=g)):
+        for m in range(1, linear.GEMV_MAX_ROWS + 1):
+            x = torch.randn(m, k, generator=g)
+            want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            got = gemv(x, w, bias)
+            assert got.dtype == torch.float32 and got.shape == (m, n)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
 def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """enable_gemv: bfloat16 linears take the GEMV for 1-GEMV_MAX_ROWS rows, the packed weight (after
-    prepack_linears) for the rest of PACKED_ROWS, F.linear beyond; float32 linears are left alone."""
+    prepack_linears) for the rest of PACKED_ROWS, F.linear beyond; float32 linears take the GEMV too, float64
+    ones are left alone."""
     packed_calls: list[int] = []
     pointwise = torch.ops.mkldnn._linear_pointwise  # looked up when a layer's forward is built: patch first
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                         lambda x, *a: packed_calls.append(x.shape[0]) or pointwise(x, *a), raising=False)
-    model = nn.Sequential(nn.Linear(64, 32).bfloat16(), nn.Linear(32, 16))
-    bf16, f32 = model[0], model[1]
-    assert linear.enable_gemv(model) >= 0 and bf16._pagoda_gemv is not None and "forward" not in vars(f32)
+    model = nn.Sequential(nn.Linear(64, 32).bfloat16(), nn.Linear(32, 16), nn.Linear(16, 8).double())
+    bf16, f32, f64 = model[0], model[1], model[2]
+    assert linear.enable_gemv(model) >= 0 and bf16._pagoda_gemv is not None and f32._pagoda_gemv is not None
+    assert "forward" not in vars(f64)
     calls: list[int] = []
     gemv = bf16._pagoda_gemv
     bf16._pagoda_gemv = lambda x, w, b: calls.append(x.shape[0]) or gemv(x, w, b)
@@ -50,3 +69,10 @@ def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         x = torch.randn(rows, 64).bfloat16()
         torch.testing.assert_close(bf16(x).float(), F.linear(x, bf16.weight, bf16.bias).float(), rtol=2**-7, atol=1e-2)
     assert calls == [1, top] and packed_calls == [top + 1]
+    f32_calls: list[int] = []
+    f32_gemv = f32._pagoda_gemv
+    f32._pagoda_gemv = lambda x, w, b: f32_calls.append(x.shape[0]) or f32_gemv(x, w, b)
+    for rows in (1, top, top + 1):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(f32(x), F.linear(x, f32.weight, f32.bias), rtol=1e-5, atol=1e-5)
+    assert f32_calls == [1, top] and packed_calls == [top + 1, top + 1]

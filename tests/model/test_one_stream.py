@@ -32,11 +32,12 @@ def _generate(llm: LLM, seeded: bool) -> list[tuple[list[int], list[float]]]:
     return out
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("seeded", [False, True])
-def test_matches_the_eager_forward_exactly(tiny_model: tuple[str, Path], seeded: bool) -> None:
+def test_matches_the_eager_forward_exactly(tiny_model: tuple[str, Path], seeded: bool, dtype: str) -> None:
     arch, folder = tiny_model
     # no prefix caching: the second run's prompt steps would start from the first's blocks
-    llm = LLM(str(folder), dtype="bfloat16", attention_backend="cpp", enable_prefix_caching=False)
+    llm = LLM(str(folder), dtype=dtype, attention_backend="cpp", enable_prefix_caching=False)
     model = llm.engine.model
     if arch == "qwen3":  # per-head q/k norms: not taken
         assert model.one_stream_forward is None
@@ -72,7 +73,7 @@ def test_declines_steps_that_are_not_one_decode(tiny_model: tuple[str, Path]) ->
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    (dict(dtype="float32"), "not bfloat16"),
+    (dict(dtype="float16"), "not bfloat16 or float32"),
     (dict(dtype="bfloat16", attention_backend="sdpa"), "not the cpp kernel"),
     (dict(dtype="bfloat16", kv_cache_dtype="int8"), "KV cache"),
     (dict(dtype="bfloat16", fused_ops=False), "fused elementwise ops are off"),
