@@ -158,13 +158,19 @@ def paged_prefill(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Te
     n, hq, d = q.shape
     lib = _library_for(kv_cache, hq)
     qf = q.to(torch.float32).contiguous()
-    bt = block_table.contiguous()
-    assert bt.dtype == torch.int64 and bt.numel() * kv_cache.k.shape[1] >= seq_len >= n, (bt.dtype, bt.shape, seq_len)
+    bt = _prompt_table(block_table, kv_cache, seq_len, n)
     out = torch.empty((n, hq, d), dtype=torch.float32)
     table = _fp8_table() if kv_cache.k.dtype == torch.float8_e4m3fn else None
     lib.pagoda_paged_prefill(*(None if t is None else t.data_ptr() for t in (
         qf, kv_cache.k, kv_cache.v, kv_cache.k_scale, kv_cache.v_scale, table, bt)), n, seq_len, out.data_ptr(), scale)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _prompt_table(block_table: torch.Tensor, kv_cache: PagedKVCache, seq_len: int, n: int) -> torch.Tensor:
+    """The chunk's block table as the prompt kernels read it (int64, contiguous), checked to cover seq_len."""
+    bt = block_table.contiguous()
+    assert bt.dtype == torch.int64 and bt.numel() * kv_cache.k.shape[1] >= seq_len >= n, (bt.dtype, bt.shape, seq_len)
+    return bt
 
 
 def amx_prefill_available(kv_cache: PagedKVCache, num_q_heads: int) -> bool:
@@ -187,9 +193,8 @@ def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torc
     n, hq, d = q.shape
     lib = _library_for(kv_cache, hq)
     qb = q.contiguous()
-    bt = block_table.contiguous()
+    bt = _prompt_table(block_table, kv_cache, seq_len, n)
     assert qb.dtype == kv_cache.k.dtype == torch.bfloat16 and kv_cache.k_scale is None, (qb.dtype, kv_cache.k.dtype)
-    assert bt.dtype == torch.int64 and bt.numel() * kv_cache.k.shape[1] >= seq_len >= n, (bt.dtype, bt.shape, seq_len)
     hkv = kv_cache.k.shape[2]
     padded = -(-seq_len // _AMX_KEYS) * _AMX_KEYS
     work = torch.empty(2 * hkv * (padded + 8) * d, dtype=torch.bfloat16)  # K and V repacked (the kernel's layout)
