@@ -77,8 +77,8 @@ class LLMEngine:
                 logger.info("prepacked linear weights for %d-%d-token steps: %.1f MiB more", rows.start,
                             rows.stop - 1, added / 2**20)
             else:
-                logger.warning("prepack_weights: nothing packed (it applies to float32 and bfloat16 weights with "
-                               "oneDNN); dtype is %s", mc.torch_dtype)
+                logger.warning("prepack_weights: nothing packed (it applies to float32 weights, and to bfloat16 "
+                               "ones where oneDNN supports bfloat16 on this CPU); dtype is %s", mc.torch_dtype)
         offload = self._make_offload_store(caches)
         identity = f"{loaded.identity}:{mc.torch_dtype}:{plan.spec.name}"  # whose K/V a cached block holds
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching, identity,

@@ -1,7 +1,7 @@
 // Shared by Pagoda's C++ kernels (pagoda/layers/cpp_build.py puts it ahead of each source): a vector of
-// 16 float32 lanes, 16-bit floats loaded into it, and 2^x for x <= 0 on it.
+// float32 lanes as wide as the CPU's registers, 16-bit floats loaded into it, and 2^x for x <= 0 on it.
 
-#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+#if (defined(__AVX512F__) || defined(__AVX2__)) && !defined(PAGODA_PORTABLE)
 #include <immintrin.h>
 #endif
 
@@ -11,9 +11,18 @@
 #include <cstring>
 #include <limits>
 
-// 16 float32 lanes: one AVX-512 register (two AVX2 ones). GCC's vector extension keeps the kernel's
-// accumulators in registers, where arrays indexed in loops would live on the stack.
+// L float32 lanes: one vector register, 16 under AVX-512, 8 under AVX (AVX2's CPUs), 4 (SSE) elsewhere. GCC's
+// vector extension keeps the kernels' accumulators in registers, where arrays indexed in loops would live on
+// the stack. A vector wider than the target's registers does not: GCC 12 moves 16-lane vectors on an AVX2 CPU
+// through the stack in 8-byte pieces between operations and compares them lane by lane in scalar code, and the
+// decode kernel ran at 5 GB/s, SiLU-and-multiply 6.7x slower than torch (BENCHMARKS.md, "An AVX2 CPU").
+#if defined(__AVX512F__)
 constexpr int64_t L = 16;
+#elif defined(__AVX__)
+constexpr int64_t L = 8;
+#else
+constexpr int64_t L = 4;
+#endif
 typedef float vf __attribute__((vector_size(L * 4)));
 typedef int32_t vi32 __attribute__((vector_size(L * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(L * 2)));
@@ -48,7 +57,7 @@ static inline float hmax(vf x) {
   return m;
 }
 
-// Sixteen consecutive bfloat16 (the high halves of float32s) or float16 values as float32.
+// L consecutive bfloat16 (the high halves of float32s) or float16 values as float32.
 static inline vf load_bf16(const uint16_t* p) {
 #if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
   // One permute of the 16 halves into the high halves of the lanes, zeroing the low ones (GCC 12 compiles the
@@ -85,7 +94,7 @@ static inline vf load_f16(const _Float16* p) {
 // exponent bits, 2^f for f = x - n in [-0.5, 0.5] by its Taylor series to degree 7 (truncation error
 // below 1e-8, under float32 rounding). Below -126 it returns 2^-126, not 0: callers zero masked lanes.
 //
-// The polynomial's steps are fused multiply-adds under AVX-512 whatever the build's -ffp-contract (inductor
+// The polynomial's steps are fused multiply-adds under AVX-512 and FMA whatever the build's -ffp-contract (inductor
 // turns contraction off, and the elementwise ops keep it off so that their other arithmetic rounds as torch
 // does): one rounding instead of two, and half the dependent chain. With the same in SiLU's reciprocal,
 // SiLU-and-multiply runs 1.22-1.37x faster (`bench.elementwise --versus-rev`, BENCHMARKS.md), and its
@@ -100,6 +109,8 @@ static inline vf madd(vf a, vf b, vf c) {
   vf out;
   std::memcpy(&out, &r, sizeof(out));
   return out;
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(PAGODA_PORTABLE)
+  return vf(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
 #else
   return a * b + c;
 #endif

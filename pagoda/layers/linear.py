@@ -137,13 +137,23 @@ def enable_gemv(model: nn.Module, portable: bool = False) -> float:
 PREPACK_AUTO_MAX_BYTES = 1 << 30
 
 
+def packable_rows(dtype: torch.dtype) -> range | None:
+    """The rows a packed weight of this dtype serves, or None where oneDNN cannot pack it on this CPU (its
+    bfloat16 reorder needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT and raises without them)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return PACKED_ROWS.get(dtype)
+
+
 def should_prepack(model: nn.Module, dtype: torch.dtype, asked: bool | None, compile_model: bool) -> bool:
     """Whether the engine packs the model's linears: as asked, or by default (asked is None) for bfloat16
     models whose copy fits PREPACK_AUTO_MAX_BYTES, except with compile_model (whose graph cannot branch on
     the token count)."""
     if asked is not None:
         return asked
-    if dtype != torch.bfloat16 or compile_model or not torch.backends.mkldnn.is_available():
+    if dtype != torch.bfloat16 or compile_model or packable_rows(dtype) is None:
         return False
     copy = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                if isinstance(m, nn.Linear) and m.weight.dtype in PACKED_ROWS)
@@ -152,13 +162,11 @@ def should_prepack(model: nn.Module, dtype: torch.dtype, asked: bool | None, com
 
 def prepack_linears(model: nn.Module) -> tuple[int, range | None]:
     """Gives every float32 or bfloat16 nn.Linear of the model a oneDNN-packed copy of its weight, used for
-    PACKED_ROWS[dtype] rows; returns the bytes the copies take and the rows they serve ((0, None) if
-    oneDNN is unavailable or no layer has a packable dtype)."""
-    if not torch.backends.mkldnn.is_available():
-        return 0, None
+    PACKED_ROWS[dtype] rows; returns the bytes the copies take and the rows they serve ((0, None) if no
+    layer has a dtype oneDNN can pack here, packable_rows)."""
     added, used = 0, None
     for module in model.modules():
-        if isinstance(module, nn.Linear) and (rows := PACKED_ROWS.get(module.weight.dtype)) is not None:
+        if isinstance(module, nn.Linear) and (rows := packable_rows(module.weight.dtype)) is not None:
             _install(module)
             module._pagoda_packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 16)
             added += module.weight.numel() * module.weight.element_size()

@@ -33,7 +33,7 @@ constexpr int64_t NT = BS / L, ND = D / L;
 constexpr int64_t splits(int64_t chains) { return chains >= 8 ? 1 : chains >= 4 ? 2 : 4; }
 constexpr int64_t DS = splits(G * NT);  // a decode's; R query rows have R * G * NT chains (attend_span)
 
-// Sixteen consecutive cache elements as float32.
+// L consecutive cache elements as float32.
 #if PAGODA_ELEM == 0
 using elem_t = float;
 static inline vf load16(const elem_t* p, const float*) {
