@@ -59,8 +59,9 @@ static void dot_rows(const T* x, const T* w, int64_t K, int64_t n0, int64_t nr, 
     vf xv[M];
     for (int m = 0; m < M; ++m) xv[m] = load16(x + m * K + k);
     for (int64_t r = 0; r < nr; ++r) {
-      // float32 rows take a line every 16 elements: the same rows-ahead prefetch as the pairs above
-      if constexpr (sizeof(T) == 4) __builtin_prefetch(w + (n0 + r + PREFETCH_ROWS) * K + k, 0, 3);
+      // float32 rows take a line every 16 elements (one vector under AVX-512, two under AVX2): the same
+      // rows-ahead prefetch as the pairs above
+      if (sizeof(T) == 4 && k % 16 == 0) __builtin_prefetch(w + (n0 + r + PREFETCH_ROWS) * K + k, 0, 3);
       const vf wv = load16(w + (n0 + r) * K + k);
       for (int m = 0; m < M; ++m) acc[m][r] = madd(xv[m], wv, acc[m][r]);
     }
