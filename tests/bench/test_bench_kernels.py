@@ -122,7 +122,10 @@ def test_decode_attention_over_a_quantized_cache(capsys: pytest.CaptureFixture[s
 def test_linear_stream_compares_equal_results(capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The script checks that oneDNN's packed weights give F.linear's results before timing them."""
+    import torch
+
     from pagoda.bench.linear_stream import main
+    from pagoda.layers.linear import packable_rows
 
     rows = run_module(main, ["--rows", "1,5", "--layers", "1", "--repeats", "1"], capsys, monkeypatch)
     assert [r["rows"] for r in rows] == [1, 5]
@@ -131,6 +134,8 @@ def test_linear_stream_compares_equal_results(capsys: pytest.CaptureFixture[str]
     rows = run_module(main, ["--rows", "1,5", "--layers", "1", "--repeats", "1", "--dtype", "bfloat16"], capsys,
                       monkeypatch)
     assert rows[0]["gemv_ms"] > 0 and "gemv_ms" not in rows[1]  # bfloat16 the same
+    bf16_packable = packable_rows(torch.bfloat16) is not None  # where oneDNN cannot, no packed side
+    assert all((r["onednn_packed_ms"] is not None) == bf16_packable for r in rows)
 
 
 def test_sampler_bench_times_both_searches(capsys: pytest.CaptureFixture[str],
