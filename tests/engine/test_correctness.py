@@ -108,11 +108,11 @@ def test_prepack_weights_by_default_for_small_bfloat16_models(tiny_model: tuple[
         model = LLM(str(tiny_model[1]), **kwargs).engine.model
         return any(linear.is_packed(m) for m in model.modules() if isinstance(m, nn.Linear))
 
-    bf16 = BF16_PACKABLE  # False on AVX2 CPUs: nothing packed, no error
-    assert packed(dtype="bfloat16") == bf16 and not packed(dtype="float32")
+    # BF16_PACKABLE is False on AVX2 CPUs: nothing packed, no error
+    assert packed(dtype="bfloat16") == BF16_PACKABLE and not packed(dtype="float32")
     assert packed(dtype="float32", prepack_weights=True) and not packed(dtype="bfloat16", prepack_weights=False)
     monkeypatch.setattr(linear, "PREPACK_AUTO_MAX_BYTES", 1024)
-    assert not packed(dtype="bfloat16") and packed(dtype="bfloat16", prepack_weights=True) == bf16
+    assert not packed(dtype="bfloat16") and packed(dtype="bfloat16", prepack_weights=True) == BF16_PACKABLE
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(

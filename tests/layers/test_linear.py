@@ -77,3 +77,15 @@ def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         x = torch.randn(rows, 32)
         torch.testing.assert_close(f32(x), F.linear(x, f32.weight, f32.bias), rtol=1e-5, atol=1e-5)
     assert f32_calls == [1, top] and packed_calls == ([top + 1] if bf16_packable else []) + [top + 1]
+
+
+def test_bfloat16_not_packed_where_onednn_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN has no bfloat16 on the CPU (AVX2 ones), bfloat16 linears are left unpacked, by default
+    and when asked, while float32 ones still pack: its reorder would raise there."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
+    model = nn.Sequential(nn.Linear(64, 32).bfloat16(), nn.Linear(32, 16))
+    assert linear.packable_rows(torch.bfloat16) is None and linear.packable_rows(torch.float32) is not None
+    assert not linear.should_prepack(model, torch.bfloat16, None, compile_model=False)
+    added, rows = linear.prepack_linears(model)
+    assert not linear.is_packed(model[0]) and linear.is_packed(model[1])
+    assert added == model[1].weight.numel() * 4 and rows == linear.PACKED_ROWS[torch.float32]

@@ -334,8 +334,14 @@ extern "C" void pagoda_paged_decode(const float* q_in, const elem_t* k, const el
 }
 
 // Query rows per work item of a prompt: its R * G query vectors' outputs (R * G * ND vectors) stay in registers
-// through the V loop, so R is as large as 24 of the 32 vector registers allow (2 for the default model).
-constexpr int64_t PREFILL_ROWS = std::max<int64_t>(1, std::min<int64_t>(8, 24 / (G * ND)));
+// through the V loop, so R is as large as three quarters of the vector registers allow (24 of AVX-512's 32: 2
+// rows for the default model; 12 of AVX2's 16: 1 row).
+#if defined(__AVX512F__)
+constexpr int64_t VECTOR_REGISTERS = 32;
+#else
+constexpr int64_t VECTOR_REGISTERS = 16;
+#endif
+constexpr int64_t PREFILL_ROWS = std::max<int64_t>(1, std::min<int64_t>(8, VECTOR_REGISTERS * 3 / 4 / (G * ND)));
 
 // Causal attention for n consecutive queries of one sequence (a prompt or a chunk of one), the last at
 // position seq_len - 1, over its context in the paged cache (this chunk's K and V already written there):
