@@ -67,12 +67,21 @@ class ModelConfig:
     # elementwise steps in C++ for float32/16-bit models (pagoda/layers/elementwise.py), the sampler's plain rows
     # (pagoda/layers/sampler.py) and bfloat16 linears of 1-4-row steps (pagoda/layers/gemv.cpp)
     fused_ops: bool = True
+    # "q4_1": the decoder's linears run 4-bit Q4_1 weights against int8 activations, llama.cpp's arithmetic for a
+    # Q4_1 file (pagoda/layers/q4_linear.py); float32 models only. "none": the weights as loaded.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len, 1 << 20)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        if self.quantization != "none" and self.torch_dtype != torch.float32:
+            raise ValueError(f"quantization {self.quantization} needs dtype float32 (or auto), got {self.dtype!r}")
+        if self.quantization != "none" and self.compile_model:
+            raise ValueError("quantization and compile_model cannot be combined: choose one")
         if self.prepack_weights and self.compile_model:
             raise ValueError("prepack_weights and compile_model cannot be combined: choose one")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -83,6 +92,8 @@ class ModelConfig:
     def torch_dtype(self) -> torch.dtype:
         return torch.float32 if self.dtype == "auto" else DTYPES[self.dtype]
 
+
+QUANTIZATIONS = ("none", "q4_1")  # ModelConfig.quantization
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # auto: the model dtype; fp8: float8 e4m3
 KV_CACHE_SCALE_GRANULARITIES = ("token", "block")  # int8/fp8 scales per (token, kv head) or (block, kv head)

@@ -94,13 +94,15 @@ def compute_floor(model: Any, prompt_tokens: int, output_tokens: int, elapsed: f
     2 x hidden x vocab for each output token's logits (a prompt's last token gives the first output
     token). Attention's own FLOPs are left out, so the fraction understates the arithmetic done.
     The rate: the best of 40 timed (1024 x hidden) @ (hidden x intermediate) matmuls, the largest
-    linear layer of the model, measured right after the run in the same process."""
+    linear layer of the model, measured right after the run in the same process. Its dtype is the lm_head's
+    (the model's): with --quantization q4_1 the layers multiply int8 instead, and the fraction says how the
+    run compares with what float32 matmuls allow."""
     import torch
 
-    lm_head = model.lm_head.weight
-    linear = sum(m.weight.numel() for m in model.model.modules() if isinstance(m, torch.nn.Linear))
-    flops = 2.0 * linear * (prompt_tokens + output_tokens) + 2.0 * lm_head.numel() * output_tokens
-    w = model.model.layers[0].mlp.gate_up_proj.weight[: model.config.intermediate_size]  # (intermediate, hidden)
+    lm_head = model.lm_head
+    linear = sum(m.in_features * m.out_features for m in model.model.modules() if isinstance(m, torch.nn.Linear))
+    flops = 2.0 * linear * (prompt_tokens + output_tokens) + 2.0 * lm_head.weight.numel() * output_tokens
+    w = torch.randn(model.config.intermediate_size, model.config.hidden_size, dtype=lm_head.weight.dtype)
     x = torch.randn(1024, w.shape[1], dtype=w.dtype)
     best = float("inf")
     for _ in range(40):  # best of many: the peak, not a mean the noisy neighbours drag down

@@ -14,6 +14,7 @@ from pagoda.core.scheduler import Scheduler
 from pagoda.engine.output_processor import ParentState, new_parent
 from pagoda.layers.attention import PagedKVCache, get_attention_backend
 from pagoda.layers.linear import enable_gemv, prepack_linears, should_prepack
+from pagoda.layers.q4_linear import quantize_linears
 from pagoda.model.loader import load_model
 from pagoda.outputs import RequestOutput
 from pagoda.profiler import NULL_PROFILER, StepProfiler
@@ -65,6 +66,10 @@ class LLMEngine:
         caches = allocate_kv_cache(self.arch, plan, mc.torch_dtype)
         self.compile_seconds = backend.warmup(caches[0], self.arch.num_heads, mc.torch_dtype, self.arch.head_dim**-0.5)
         self.attention_backend = backend.name  # after warm-up: the backend actually in use
+        if mc.quantization == "q4_1":  # before the paths below, which then leave these layers alone
+            count, nbytes, seconds = quantize_linears(self.model)
+            self.compile_seconds += seconds
+            logger.info("quantization q4_1: %d linear layers, %.1f MiB of packed weights", count, nbytes / 2**20)
         if mc.compile_model:
             self.compile_seconds += self.model.enable_compiled_forward(caches)
         elif mc.fused_ops:

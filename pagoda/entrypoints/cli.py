@@ -9,12 +9,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pagoda.config import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, parse_size
+from pagoda.config import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, parse_size
 from pagoda.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ("model", "dtype", "block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
                 "max_model_len", "enable_prefix_caching", "kv_cache_dtype", "kv_offload_memory", "attention_backend",
-                "compile_model", "prepack_weights", "fused_ops")
+                "compile_model", "prepack_weights", "fused_ops", "quantization")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -47,6 +47,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(float32) or 1-1024 tokens (bfloat16): 1.1-1.7x faster matmuls there; twice the weight "
                         "memory. Default: on for bfloat16 models whose copy takes at most 1 GiB (1.2-1.3x end "
                         "to end here), off otherwise")
+    g.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                   help="q4_1: the decoder's linear layers run 4-bit weights (Q4_1 blocks of 32: the default "
+                        "model's own) against activations rounded to int8 per block of 32, as llama.cpp does; "
+                        "float32 models; needs a C++ compiler. none (default): the weights as loaded")
     g.add_argument("--kv-offload-memory", default=None,
                    help="second KV tier: host memory for cached blocks evicted from the cache, e.g. 2GiB")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

@@ -1,0 +1,190 @@
+// Linear layers with 4-bit weights and 8-bit activations, the arithmetic llama.cpp runs for a Q4_1 model on a
+// CPU: y (M, N) = x (M, K) @ w^T (+ bias), with w in Q4_1 blocks and x quantized per block as the layer runs.
+//
+// Along K, weights and activations come in blocks of QK = 32. A weight block (one output column, 32 k) holds
+// w = d * q + m: q in 0..15 (4 bits), d and m float16 values (kept here as float32). An activation block holds
+// x ~ dx * xq: xq in -127..127 with dx = max |x| / 127, and sx, the exact float sum of the block's x. A block's
+// product is then sum(w x) ~ d * dx * sum(q xq) + m * sx: the only rounding is xq's (a relative error up to
+// 1/254 of the block's largest |x|); sum(q xq) is an exact integer.
+//
+// Why: on AVX2, `vpmaddubsw` multiplies 32 pairs of bytes (q unsigned, xq signed) and adds neighbours into 16
+// int16 lanes in one instruction, where an FMA does 8 float32 multiply-adds; the weights are 4.5 bits each
+// instead of 32, so a layer's tile stays in L1 and one stream's step reads 7x fewer bytes. No saturation:
+// a pair is at most 2 * 15 * 127 = 3,810, and 8 pairs of one lane summed in int16 stay under 32,767 (30,480).
+//
+// Packed weight layout (pagoda/layers/q4_linear.py packs it): columns in tiles of NR = 16, then K blocks; per
+// (tile, block) 256 bytes: for p in 0..3, for half h in 0..1 (columns 8h..8h+7), for column c, for i in 0..3:
+// the byte (q[k = 4p + i] | q[k = 16 + 4p + i] << 4) of column 8h + c. One 32-byte load is then 8 columns'
+// 4-k groups p (low nibbles) and 4 + p (high nibbles), each int32 lane one column, what `vpmaddubsw` against a
+// broadcast 4-byte group of xq needs. Scales d, m: (tile, block, 16 columns) float32.
+//
+// Compiled at start-up by pagoda/layers/q4_linear.py (through pagoda/layers/cpp_build.py), after cpp_vector.h.
+// Without AVX2 (or with PAGODA_PORTABLE) the same sums run in plain C++ (much slower; tests compare the two).
+
+#if defined(__AVX2__) && !defined(PAGODA_PORTABLE)
+#define PAGODA_Q4_AVX2 1
+#endif
+
+constexpr int64_t QK = 32;
+// Output columns per tile: H vectors of 8. With ROWS rows, a k-group's 2 x ROWS broadcast activations, ROWS x H
+// int16 sums and one weight vector's two nibble halves fill the 16 AVX2 registers. On the AVX2 machine
+// (BENCHMARKS.md, "4-bit weights"), at 1-512 rows of the default model's shapes, ROWS x H = 3 x 2 ran at
+// 110-126 G multiply-adds/s; 2 x 2, 2 x 3, 2 x 4 and 1 x 4 were within 10% of it or slower, 4 x 2 (which
+// spills) 10% slower. 16 columns: any width a multiple of 16 fits (24 would exclude 4,096).
+constexpr int H = 2;
+constexpr int64_t NR = 8 * H;
+constexpr int64_t TILE_BYTES = NR * QK / 2;
+// Rows that share one pass over a tile's weights.
+constexpr int64_t ROWS = 3;
+
+// x (M, K) float32 -> xq (M, K) int8, dx and sx (M, K / QK) float32; K a multiple of QK. Rounding is to
+// nearest, ties to even (nearbyintf in the default rounding mode), as torch.round.
+extern "C" void pagoda_q8_quantize(const float* x, int8_t* xq, float* dx, float* sx, int64_t M, int64_t K) {
+  const int64_t blocks = M * (K / QK);
+#pragma omp parallel for schedule(static) if (blocks >= 512)
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float* p = x + i * QK;
+#ifdef PAGODA_Q4_AVX2
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(p + 8 * j);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m256 sum = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+    float lanes[8], sums[8];
+    _mm256_storeu_ps(lanes, mx);
+    _mm256_storeu_ps(sums, sum);
+    float amax = 0.0f, s = 0.0f;
+    for (int j = 0; j < 8; ++j) {
+      amax = std::max(amax, lanes[j]);
+      s += sums[j];
+    }
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i q[4];  // rounded to nearest, ties to even (the default MXCSR mode)
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+    // the packs interleave 4-value groups per 128-bit lane: (0, 4, 1, 5, 2, 6, 3, 7) puts them back in order
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * QK),
+                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    float amax = 0.0f, s = 0.0f;
+    for (int64_t j = 0; j < QK; ++j) {
+      amax = std::max(amax, std::fabs(p[j]));
+      s += p[j];
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int64_t j = 0; j < QK; ++j) xq[i * QK + j] = int8_t(std::nearbyintf(p[j] * inv));
+#endif
+    dx[i] = amax / 127.0f;
+    sx[i] = s;
+  }
+}
+
+#ifdef PAGODA_Q4_AVX2
+static inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Rows [0, R) of xq (row stride K) against one tile (16 columns) of the packed weights; writes y[r * N + 0..15].
+template <int R>
+static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* wq,
+                      const float* wd, const float* wm, const float* bias, float* y, int64_t N) {
+  const int64_t nb = K / QK;
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][H];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* qb = wq + b * TILE_BYTES;
+    __m256i s[R][H];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h) s[r][h] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int p = 0; p < 4; ++p) {
+      __m256i alo[R], ahi[R];
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = xq + r * K + b * QK + p * 4;
+        alo[r] = _mm256_set1_epi32(load4(a));
+        ahi[r] = _mm256_set1_epi32(load4(a + 16));
+      }
+      for (int h = 0; h < H; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + (p * H + h) * 32));
+        const __m256i lo = _mm256_and_si256(v, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r)
+          s[r][h] = _mm256_add_epi16(s[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo[r]),
+                                                                _mm256_maddubs_epi16(hi, ahi[r])));
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      const __m256 d = _mm256_loadu_ps(wd + b * NR + h * 8);
+      const __m256 m = _mm256_loadu_ps(wm + b * NR + h * 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h], ones));
+        acc[r][h] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r][h]);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + h * 8) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + h * 8, _mm256_add_ps(acc[r][h], bv));
+  }
+}
+#else
+template <int R>
+static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* wq,
+                      const float* wd, const float* wm, const float* bias, float* y, int64_t N) {
+  const int64_t nb = K / QK;
+  for (int r = 0; r < R; ++r) {
+    float acc[NR] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = wq + b * TILE_BYTES;
+      const int8_t* a = xq + r * K + b * QK;
+      for (int64_t n = 0; n < NR; ++n) {
+        const int64_t h = n / 8, c = n % 8;
+        int32_t isum = 0;
+        for (int p = 0; p < 4; ++p) {
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = qb[(p * H + h) * 32 + c * 4 + i];
+            isum += int32_t(byte & 0x0f) * a[p * 4 + i] + int32_t(byte >> 4) * a[16 + p * 4 + i];
+          }
+        }
+        acc[n] += float(isum) * (wd[b * NR + n] * dx[r * nb + b]) + wm[b * NR + n] * sx[r * nb + b];
+      }
+    }
+    for (int64_t n = 0; n < NR; ++n) y[r * N + n] = acc[n] + (bias ? bias[n] : 0.0f);
+  }
+}
+#endif
+
+// xq (M, K) int8, dx and sx (M, K / QK) from pagoda_q8_quantize; wq (N / NR, K / QK, TILE_BYTES) uint8, wd and
+// wm (N / NR, K / QK, NR) float32; bias (N) float32 or null; y (M, N) float32. N a multiple of NR, K of QK.
+// Threads split the tiles; each runs all rows against its tile, whose weights (18 KiB for K = 1,536) stay in L1
+// while the rows stream past. Blocking the rows too (32-256 KiB of xq at a time, so that they stay in L2) made
+// no difference that the machine's drift did not swamp (ad hoc).
+extern "C" void pagoda_q4_gemm(const int8_t* xq, const float* dx, const float* sx, const uint8_t* wq,
+                               const float* wd, const float* wm, const float* bias, float* y, int64_t M, int64_t N,
+                               int64_t K) {
+  const int64_t nb = K / QK, tiles = N / NR;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* tq = wq + t * nb * TILE_BYTES;
+    const float* td = wd + t * nb * NR;
+    const float* tm = wm + t * nb * NR;
+    const float* tb = bias ? bias + t * NR : nullptr;
+    int64_t m = 0;
+    for (; m + ROWS <= M; m += ROWS)
+      tile_rows<ROWS>(xq + m * K, dx + m * nb, sx + m * nb, K, tq, td, tm, tb, y + m * N + t * NR, N);
+    const int64_t xs = m * K, ss = m * nb;
+    float* yt = y + m * N + t * NR;
+    switch (M - m) {
+      case 2: tile_rows<2>(xq + xs, dx + ss, sx + ss, K, tq, td, tm, tb, yt, N); break;
+      case 1: tile_rows<1>(xq + xs, dx + ss, sx + ss, K, tq, td, tm, tb, yt, N); break;
+      default: break;
+    }
+  }
+}

@@ -1,0 +1,143 @@
+"""`--quantization q4_1`: linear layers with 4-bit weights in Q4_1 blocks and activations quantized to int8 per
+block of 32 as each layer runs, in C++ (pagoda/layers/q4_gemm.cpp, which explains the arithmetic). It is what
+llama.cpp computes for a Q4_1 GGUF file on a CPU.
+
+The weights: each block of 32 consecutive weights of an output row becomes d * q + m (q in 0..15, d and m
+float16), as GGUF's Q4_1 stores them: m is the block's minimum and d its range / 15, both rounded to float16.
+A Q4_1 GGUF file's weights, loaded as float32, come back exactly (each such block holds a q = 0 and a q = 15:
+llama.cpp quantizes a block's minimum to 0 and its maximum to 15), so for the default model the 4-bit weights
+are the file's own; other models' weights are rounded to 4 bits here.
+
+Which layers: every nn.Linear of the decoder layers whose input width is a multiple of 32 and output width a
+multiple of 16, float32 models only. The output projection (lm_head) keeps its float weights: in the default
+model it is the token embedding, stored as Q8_0 in the file, and a 4-bit copy would add error where the file
+has none. The float32 copies of the quantized layers' weights are freed (the default model: 419 MiB less).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from pagoda.layers.cpp_build import load_library
+
+logger = logging.getLogger(__name__)
+
+QK = 32  # weights and activations are quantized in blocks of QK along the input dimension
+NR = 16  # output columns per packed tile
+
+_SOURCE = Path(__file__).with_name("q4_gemm.cpp")
+
+
+@functools.cache
+def q4_library(portable: bool = False) -> Any:
+    """The compiled kernels; portable: the plain C++ sums, without AVX2 intrinsics (tests compare the two)."""
+    lib = load_library(_SOURCE, {"PORTABLE": 1} if portable else {})
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.pagoda_q8_quantize.argtypes = [ptr] * 4 + [i64] * 2
+    lib.pagoda_q8_quantize.restype = None
+    lib.pagoda_q4_gemm.argtypes = [ptr] * 8 + [i64] * 3
+    lib.pagoda_q4_gemm.restype = None
+    return lib
+
+
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) weights -> q (N, K) uint8 in 0..15, d and m (N, K / QK) float32 holding float16 values, with
+    weight ~ d * q + m per block (exactly, for weights dequantized from Q4_1)."""
+    n, k = weight.shape
+    if k % QK:
+        raise ValueError(f"Q4_1 needs an input width that is a multiple of {QK}, got {k}")
+    blocks = weight.detach().float().reshape(n, k // QK, QK)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    d = ((hi - lo) / 15).half().float()
+    m = lo.half().float()
+    if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
+        raise ValueError("Q4_1: a weight block's minimum or range does not fit float16")
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = ((blocks - m[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), d, m
+
+
+def dequantize_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    return (d[..., None] * q.reshape(n, k // QK, QK).float() + m[..., None]).reshape(n, k)
+
+
+def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout pagoda_q4_gemm reads (q4_gemm.cpp): bytes (N / NR, K / QK, 256) and scales (N / NR, K / QK,
+    NR)."""
+    n, k = q.shape
+    if n % NR:
+        raise ValueError(f"the packed Q4_1 layout needs an output width that is a multiple of {NR}, got {n}")
+    tiles, nb = n // NR, k // QK
+    # q[n = 16 t + 8 h + c][k = 32 b + 16 nibble + 4 p + i] -> (t, b, p, h, c, i, nibble)
+    g = q.reshape(tiles, NR // 8, 8, nb, 2, 4, 4).permute(0, 3, 5, 1, 2, 6, 4)
+    packed = (g[..., 0] | (g[..., 1] << 4)).contiguous().reshape(tiles, nb, NR * QK // 2)
+    scales = [s.reshape(tiles, NR, nb).transpose(1, 2).contiguous() for s in (d, m)]
+    return packed, scales[0], scales[1]
+
+
+class Q4Linear:
+    """A linear layer's packed Q4_1 weights and the forward that runs them."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: Any) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.wq, self.wd, self.wm = pack_q4_1(*quantize_q4_1(weight))
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.lib = lib
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.wq, self.wd, self.wm))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        rows, k = x2.shape
+        xq = torch.empty((rows, k), dtype=torch.int8)
+        dx = torch.empty((rows, k // QK), dtype=torch.float32)
+        sx = torch.empty_like(dx)
+        y = torch.empty((rows, self.out_features), dtype=torch.float32)
+        if rows:
+            self.lib.pagoda_q8_quantize(x2.data_ptr(), xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k)
+            self.lib.pagoda_q4_gemm(xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), self.wq.data_ptr(),
+                                    self.wd.data_ptr(), self.wm.data_ptr(),
+                                    None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), rows,
+                                    self.out_features, k)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def quantizable(layer: nn.Linear) -> bool:
+    return layer.weight.dtype == torch.float32 and layer.in_features % QK == 0 and layer.out_features % NR == 0
+
+
+def quantize_linears(model: nn.Module, portable: bool = False) -> tuple[int, int, float]:
+    """Give the decoder layers' float32 linears (quantizable) Q4_1 weights and free their float copies; returns
+    (layers quantized, bytes of their packed weights, seconds taken, compile included). The model's lm_head is
+    left as it is (see the module's docstring). Raises if the kernels cannot be compiled: the user asked for
+    this format, and a silent float32 fallback would report the wrong numbers."""
+    start = time.perf_counter()
+    lib = q4_library(portable)
+    layers = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, nn.Linear) and not name.endswith("lm_head") and quantizable(m)]
+    total = 0
+    for _, layer in layers:
+        q4 = Q4Linear(layer.weight, layer.bias, lib)
+        total += q4.nbytes()
+        layer._pagoda_q4 = q4  # type: ignore[assignment]
+        layer.forward = q4  # type: ignore[method-assign]
+        # the float copy is not read again: an empty tensor keeps the attribute for code that looks at dtypes
+        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+    return len(layers), total, time.perf_counter() - start
+
+
+def is_q4(layer: nn.Module) -> bool:
+    return getattr(layer, "_pagoda_q4", None) is not None
