@@ -114,8 +114,8 @@ def enable_gemv(model: nn.Module, portable: bool = False) -> float:
     GEMV for steps of 1-GEMV_MAX_ROWS rows; returns the seconds its build took. If the build fails (logged), they
     keep their other paths."""
     layers = [m for m in model.modules() if isinstance(m, nn.Linear) and not is_q4(m)
-              and m.weight.dtype in GEMV_DTYPES and m.weight.is_contiguous() and (m.bias is None or (m.bias.dtype == m.weight.dtype
-                                                                     and m.bias.is_contiguous()))]
+              and m.weight.dtype in GEMV_DTYPES and m.weight.is_contiguous()
+              and (m.bias is None or (m.bias.dtype == m.weight.dtype and m.bias.is_contiguous()))]
     if not layers:
         return 0.0
     start = time.perf_counter()

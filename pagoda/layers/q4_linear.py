@@ -133,7 +133,7 @@ def quantize_linears(model: nn.Module, portable: bool = False) -> tuple[int, int
         q4 = Q4Linear(layer.weight, layer.bias, lib)
         total += q4.nbytes()
         layer._pagoda_q4 = q4  # type: ignore[assignment]
-        layer.forward = q4  # type: ignore[method-assign]
+        layer.forward = q4  # type: ignore[method-assign,assignment]
         # the float copy is not read again: an empty tensor keeps the attribute for code that looks at dtypes
         layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
     return len(layers), total, time.perf_counter() - start
