@@ -26,11 +26,12 @@ import pagoda.layers.attention.backend as attention_backend
 import pagoda.layers.attention.paged_kv as paged_kv
 from pagoda import LLM, SamplingParams
 from pagoda.bench.common import parse_range
-from pagoda.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
+from pagoda.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.layers.attention import AttentionBackend, cpp, get_attention_backend
 from pagoda.layers.attention.cpp import CppAttentionBackend
 from pagoda.layers.linear import is_packed, prepack_linears
+from pagoda.layers.q4_linear import weight_bytes
 
 
 def _advanced_indexing(data: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -50,6 +51,7 @@ def main() -> None:
     p.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="oneDNN-packed linear weights (default: the engine's choice, on for bfloat16)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (default: the engine's)")
     p.add_argument("--torch-profile", action="store_true",
                    help="also print torch.profiler's table of the timed steps' ops (self CPU time)")
@@ -66,7 +68,7 @@ def main() -> None:
     engine = LLM(attention_backend=args.attention_backend, dtype=args.dtype, compile_model=args.compile_model,
                  kv_cache_memory=args.kv_cache_memory,
                  prepack_weights=False if args.versus == "packed-weights" else args.prepack_weights,
-                 kv_cache_dtype=args.kv_cache_dtype).engine
+                 kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization).engine
     packed = any(is_packed(m) for m in engine.model.modules() if isinstance(m, torch.nn.Linear))
     rng = random.Random(0)
     for i in range(args.num_seqs):
@@ -95,6 +97,7 @@ def main() -> None:
                       "grouping": not args.no_grouping, "attention_backend": args.attention_backend,
                       "dtype": args.dtype, "compile_model": args.compile_model,
                       "prepack_weights": packed, "kv_cache_dtype": args.kv_cache_dtype,
+                      "quantization": args.quantization,
                       "startup_compile_s": round(engine.compile_seconds, 1),
                       "kv_cache_blocks": engine.limits.kv.num_blocks, "rounds": args.rounds,
                       "decode_step_ms": round(ms, 1), **extra}))
@@ -134,7 +137,8 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
 
     if args.versus == "weights-read":
         # One buffer of the weights' bytes, summed: the read a decode step cannot avoid, measured as a rate.
-        weights = torch.empty(sum(m.weight.numel() * m.weight.element_size() for m in linears) // 4)
+        # Quantized layers count their packed bytes (4-bit weights and their scales).
+        weights = torch.empty(sum(weight_bytes(m) for m in linears) // 4)
         weights.normal_()
 
         def read() -> None:

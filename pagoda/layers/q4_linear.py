@@ -141,3 +141,9 @@ def quantize_linears(model: nn.Module, portable: bool = False) -> tuple[int, int
 
 def is_q4(layer: nn.Module) -> bool:
     return getattr(layer, "_pagoda_q4", None) is not None
+
+
+def weight_bytes(layer: nn.Linear) -> int:
+    """The bytes a step reads for the layer's weights: packed Q4_1 (with scales) or the weight tensor."""
+    q4: Q4Linear | None = getattr(layer, "_pagoda_q4", None)
+    return q4.nbytes() if q4 is not None else layer.weight.numel() * layer.weight.element_size()
