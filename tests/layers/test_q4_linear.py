@@ -1,0 +1,134 @@
+"""`--quantization q4_1` (pagoda/layers/q4_linear.py, q4_gemm.cpp): the weight format, the activation rounding,
+the kernel against a float64 reference of the same arithmetic, and the default model's Q4_1 weights coming back
+exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pagoda.layers import linear, q4_linear
+from pagoda.layers.q4_linear import QK, Q4Linear, dequantize_q4_1, quantize_q4_1
+
+
+def q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The activation rounding of q4_gemm.cpp in torch ops: per block of 32, xq = round(x * (127 / max |x|)) with
+    ties to even, dx = max |x| / 127, sx = the block's sum."""
+    blocks = x.reshape(x.shape[0], -1, QK)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (blocks * inv[..., None]).round().to(torch.int8).reshape(x.shape), amax / 127.0, blocks.sum(-1)
+
+
+def reference_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """sum over blocks of d * dx * sum(q xq) + m * sx, in float64 (the integer sums are exact)."""
+    xq, dx, sx = q8_reference(x)
+    n, k = q.shape
+    isum = torch.einsum("mbk,nbk->mnb", xq.reshape(x.shape[0], -1, QK).double(), q.reshape(n, -1, QK).double())
+    y = (isum * d.double()[None] * dx.double()[:, None] + m.double()[None] * sx.double()[:, None]).sum(-1)
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_activation_rounding_matches_torch(portable: bool) -> None:
+    """xq bit for bit (ties included: some values sit exactly on .5 after scaling), dx exactly, sx within float32
+    rounding of the sum (another order); an all-zero block gives zeros."""
+    lib = q4_linear.q4_library(portable)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 4 * QK, generator=g)
+    x[0, :QK] = 0.0
+    x[1, :QK] = torch.arange(QK) - 15.5  # max 16.5: 127 / 16.5 * 0.5 ... puts values near ties
+    x[2, :QK] = (torch.arange(QK) - 16) * (127.0 / 254.0)  # x * 127 / max lands on k + 0.5 for odd k
+    xq = torch.empty(x.shape, dtype=torch.int8)
+    dx = torch.empty(x.shape[0], x.shape[1] // QK)
+    sx = torch.empty_like(dx)
+    lib.pagoda_q8_quantize(x.data_ptr(), xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), x.shape[0], x.shape[1])
+    want_q, want_d, want_s = q8_reference(x)
+    assert torch.equal(xq, want_q)
+    assert torch.equal(dx, want_d)
+    torch.testing.assert_close(sx, want_s, rtol=1e-6, atol=1e-5)
+    assert not xq[0, :QK].any() and (dx[0, 0] == 0)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (48, 1536), (960, 64), (16, 32)])
+def test_kernel_matches_float64_reference(portable: bool, n: int, k: int) -> None:
+    """1-7 and 40 rows (full groups of 3 rows and each tail), with and without bias, the AVX2 build and the
+    plain C++ one: within float32 rounding of the reference's sums."""
+    lib = q4_linear.q4_library(portable)
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    q, d, m = quantize_q4_1(w)
+    for bias in (None, torch.randn(n, generator=g)):
+        layer = Q4Linear(w, bias, lib)
+        for rows in (*range(1, 8), 40):
+            x = torch.randn(rows, k, generator=g)
+            got = layer(x)
+            want = reference_linear(x, q, d, m, bias)
+            assert got.dtype == torch.float32 and got.shape == (rows, n)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    # the plain float product is close too: only the rounding of x to int8 separates them
+    x = torch.randn(3, k, generator=g)
+    torch.testing.assert_close(Q4Linear(w, None, lib)(x), x @ dequantize_q4_1(q, d, m).T, rtol=0.05, atol=0.05)
+
+
+def test_leading_dimensions_and_empty_input() -> None:
+    layer = Q4Linear(torch.randn(32, 64), None, q4_linear.q4_library())
+    x = torch.randn(2, 3, 64)
+    assert torch.equal(layer(x), layer(x.reshape(6, 64)).reshape(2, 3, 32))
+    assert layer(torch.randn(0, 64)).shape == (0, 32)
+
+
+def test_weight_format_is_q4_1() -> None:
+    """q in 0..15, d and m float16 values; a block's minimum and maximum are exact (q = 0 and 15), every weight
+    within half a step of its block's grid; a constant block is d = 0."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 96, generator=g)
+    w[3, :QK] = 0.25
+    q, d, m = quantize_q4_1(w)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    assert torch.equal(d, d.half().float()) and torch.equal(m, m.half().float())
+    assert d[3, 0] == 0 and m[3, 0] == 0.25
+    back = dequantize_q4_1(q, d, m)
+    step = d.repeat_interleave(QK, dim=1)
+    assert ((back - w).abs() <= step / 2 + 1e-3 * step + 2e-3).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q4_1(torch.randn(4, 40))
+
+
+def test_default_model_q4_1_weights_come_back_exactly() -> None:
+    """The default model's layers are Q4_1 in its GGUF file: re-quantizing the float32 weights the loader gives
+    recovers q, d and m, bit for bit."""
+    from pagoda.model.gguf_loader import load_gguf
+    from pagoda.model.loader import resolve_model_path
+
+    gguf = load_gguf(resolve_model_path("smollm2-135m-instruct"))
+    checked = 0
+    for name, tensor in gguf.tensors():
+        if name.startswith("model.layers.") and tensor.dim() == 2:
+            q, d, m = quantize_q4_1(tensor)
+            assert torch.equal(dequantize_q4_1(q, d, m), tensor), name
+            checked += 1
+        if checked == 14:  # two layers' seven projections: every kind, rope-permuted q and k included
+            break
+    assert checked == 14
+
+
+def test_quantize_linears_frees_the_float_weights_and_other_paths_leave_them_alone() -> None:
+    """Layers named lm_head and widths that do not tile stay float; the quantized ones keep their q4 forward
+    after enable_gemv and prepack_linears."""
+    model = nn.Module()
+    model.block = nn.Sequential(nn.Linear(64, 32), nn.Linear(64, 20))
+    model.lm_head = nn.Linear(64, 48, bias=False)
+    x = torch.randn(5, 64)
+    count, nbytes, _ = q4_linear.quantize_linears(model)
+    assert count == 1 and nbytes > 0
+    assert q4_linear.is_q4(model.block[0]) and model.block[0].weight.numel() == 0
+    assert not q4_linear.is_q4(model.block[1]) and not q4_linear.is_q4(model.lm_head)
+    before = model.block[0](x)
+    linear.enable_gemv(model)
+    linear.prepack_linears(model)
+    assert not linear.is_packed(model.block[0]) and getattr(model.block[0], "_pagoda_gemv", None) is None
+    assert torch.equal(model.block[0](x), before)
