@@ -45,6 +45,8 @@ def q4_library(portable: bool = False) -> Any:
     lib.pagoda_q8_quantize.restype = None
     lib.pagoda_q4_gemm.argtypes = [ptr] * 8 + [i64] * 3
     lib.pagoda_q4_gemm.restype = None
+    lib.pagoda_q4_linear.argtypes = [ptr] * 6 + [i64] * 3
+    lib.pagoda_q4_linear.restype = None
     return lib
 
 
@@ -102,16 +104,11 @@ class Q4Linear:
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         rows, k = x2.shape
-        xq = torch.empty((rows, k), dtype=torch.int8)
-        dx = torch.empty((rows, k // QK), dtype=torch.float32)
-        sx = torch.empty_like(dx)
         y = torch.empty((rows, self.out_features), dtype=torch.float32)
         if rows:
-            self.lib.pagoda_q8_quantize(x2.data_ptr(), xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k)
-            self.lib.pagoda_q4_gemm(xq.data_ptr(), dx.data_ptr(), sx.data_ptr(), self.wq.data_ptr(),
-                                    self.wd.data_ptr(), self.wm.data_ptr(),
-                                    None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), rows,
-                                    self.out_features, k)
+            self.lib.pagoda_q4_linear(x2.data_ptr(), self.wq.data_ptr(), self.wd.data_ptr(), self.wm.data_ptr(),
+                                      None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), rows,
+                                      self.out_features, k)
         return y.reshape(*shape[:-1], self.out_features)
 
 

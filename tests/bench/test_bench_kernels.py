@@ -231,3 +231,13 @@ def test_decode_step_versus_eager_one_stream(capsys: pytest.CaptureFixture[str],
     (row,) = run_module(main, argv, capsys, monkeypatch)
     assert row["versus"] == "eager-one-stream" and row["decode_step_ms"] > 0 and row["versus_ms"] > 0
     assert len(calls) == 1 + 2 * 2  # the prompt step declined it, then the one-call side's steps
+
+
+def test_q4_linear_bench_times_both_sides_at_every_shape(capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda.bench.q4_linear import SHAPES, main
+
+    rows = run_module(main, ["--rows", "1,5", "--iters", "1"], capsys, monkeypatch)
+    results = rows[0]["results"]
+    assert [(r["in"], r["out"], r["rows"]) for r in results] == [(k, n, m) for k, n in SHAPES for m in (1, 5)]
+    assert all(r["float32_us"] > 0 and r["q4_1_us"] > 0 for r in results)

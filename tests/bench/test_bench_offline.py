@@ -46,10 +46,14 @@ def test_hf_and_pagoda_backends_run_the_same_workload(model_dir: Path, capsys: p
     assert pagoda["machine"]["torch"] == torch.__version__ and pagoda["machine"]["cpu_count"] >= 1
 
 
-def test_compute_floor_counts_the_linear_flops(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("quantization", ["none", "q4_1"])
+def test_compute_floor_counts_the_linear_flops(model_dir: Path, capsys: pytest.CaptureFixture[str],
+                                               quantization: str) -> None:
+    """Also with q4_1, whose layers' float weights are freed: the FLOPs come from the layers' shapes."""
     from pagoda.model.llama import ArchConfig
 
-    result = run_json(capsys, "bench", "throughput", "--model", str(model_dir), *WORKLOAD, "--json", *ENGINE)
+    result = run_json(capsys, "bench", "throughput", "--model", str(model_dir), *WORKLOAD, "--json", *ENGINE,
+                      "--quantization", quantization)
     a = ArchConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     attention = a.hidden_size * (2 * a.num_heads + 2 * a.num_kv_heads) * a.head_dim  # q, k, v, o
     per_token = (attention + 3 * a.hidden_size * a.intermediate_size) * a.num_layers
