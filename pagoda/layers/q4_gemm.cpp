@@ -8,9 +8,10 @@
 // 1/254 of the block's largest |x|); sum(q xq) is an exact integer.
 //
 // Why: on AVX2, `vpmaddubsw` multiplies 32 pairs of bytes (q unsigned, xq signed) and adds neighbours into 16
-// int16 lanes in one instruction, where an FMA does 8 float32 multiply-adds; the weights are 4.5 bits each
-// instead of 32, so a layer's tile stays in L1 and one stream's step reads 7x fewer bytes. No saturation:
-// a pair is at most 2 * 15 * 127 = 3,810, and 8 pairs of one lane summed in int16 stay under 32,767 (30,480).
+// int16 lanes in one instruction, where an FMA does 8 float32 multiply-adds; the weights take 0.75 bytes
+// each (4 bits, and d and m as float32 per 32) instead of 4: a tile stays in L1, one stream reads 5.3x fewer.
+// No saturation: a pair is at most 2 * 15 * 127 = 3,810, and 8 pairs of one lane summed in int16 stay under
+// 32,767 (30,480).
 //
 // Packed weight layout (pagoda/layers/q4_linear.py packs it): columns in tiles of NR = 16, then K blocks; per
 // (tile, block) 256 bytes: for p in 0..3, for half h in 0..1 (columns 8h..8h+7), for column c, for i in 0..3:
@@ -30,7 +31,7 @@
 constexpr int64_t QK = 32;
 // Output columns per tile: H vectors of 8. With ROWS rows, a k-group's 2 x ROWS broadcast activations, ROWS x H
 // int16 sums and one weight vector's two nibble halves fill the 16 AVX2 registers. On the AVX2 machine
-// (BENCHMARKS.md, "4-bit weights"), at 1-512 rows of the default model's shapes, ROWS x H = 3 x 2 ran at
+// (BENCHMARKS.md, "4-bit weights"), at 4-512 rows of the default model's shapes, ROWS x H = 3 x 2 ran at
 // 110-126 G multiply-adds/s; 2 x 2, 2 x 3, 2 x 4 and 1 x 4 were within 10% of it or slower, 4 x 2 (which
 // spills) 10% slower. 16 columns: any width a multiple of 16 fits (24 would exclude 4,096).
 constexpr int H = 2;
@@ -104,6 +105,8 @@ static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_
     __m256i s[R][H];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < H; ++h) s[r][h] = _mm256_setzero_si256();
+    // p not unrolled: unrolled, GCC 12 hoists a block's 64 multiplies ahead of their adds and spills the sums
+    // (79 against 99 G multiply-adds/s, BENCHMARKS.md)
 #pragma GCC unroll 1
     for (int p = 0; p < 4; ++p) {
       __m256i alo[R], ahi[R];
@@ -202,4 +205,14 @@ extern "C" void pagoda_q4_linear(const float* x, const uint8_t* wq, const float*
   if (int64_t(scales.size()) < 2 * blocks) scales.resize(2 * blocks);
   pagoda_q8_quantize(x, xq.data(), scales.data(), scales.data() + blocks, M, K);
   pagoda_q4_gemm(xq.data(), scales.data(), scales.data() + blocks, wq, wd, wm, bias, y, M, N, K);
+}
+
+// pagoda_q4_linear with the GEMV's signature (gemv.cpp), for the one-call one-stream forward
+// (pagoda/model/one_stream.cpp), which calls its linears through one function pointer: w is the address of the
+// layer's three packed arrays (wq, wd, wm), which pagoda/layers/q4_linear.py keeps.
+extern "C" void pagoda_q4_linear_packed(const void* x, const void* w, const void* bias, void* y, int64_t M,
+                                        int64_t N, int64_t K) {
+  const auto* p = static_cast<const void* const*>(w);
+  pagoda_q4_linear(static_cast<const float*>(x), static_cast<const uint8_t*>(p[0]), static_cast<const float*>(p[1]),
+                   static_cast<const float*>(p[2]), static_cast<const float*>(bias), static_cast<float*>(y), M, N, K);
 }

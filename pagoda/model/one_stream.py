@@ -9,7 +9,8 @@ preallocated scratch buffers, so a step is one call. Its output is the eager for
 kernels, same order, same arguments.
 
 Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 or float32 model
-whose linears have the GEMV, the fused elementwise ops, the cpp attention backend's kernel for a cache of the
+whose linears have the GEMV (or, with `--quantization q4_1`, all run the Q4_1 kernel, through its entry point
+with the GEMV's signature), the fused elementwise ops, the cpp attention backend's kernel for a cache of the
 model's dtype (not quantized), and no per-head q/k norm (Qwen3). Otherwise the model keeps its eager forward
 (logged).
 `--compile-model` has its own one-stream graph instead.
@@ -33,6 +34,7 @@ from pagoda.layers.attention.cpp import _library_for as _attention_library
 from pagoda.layers.attention.cpp import supports as cpp_supports
 from pagoda.layers.cpp_build import load_library
 from pagoda.layers.linear import GEMV_DTYPES, _gemv_library, gemv_function
+from pagoda.layers.q4_linear import is_q4, q4_of
 
 if TYPE_CHECKING:
     from pagoda.model.llama import DecoderLayer, LlamaForCausalLM
@@ -56,23 +58,32 @@ class OneStreamForward:
         cfg = model.config
         layers = _layers(model)
         first_attn = layers[0].self_attn
-        gemv_lib = _gemv_library()
         elementwise = model.ops.lib
         attention = _attention_library(kv_caches[0], cfg.num_heads)
         dtype = self._dtype = model.model.embed_tokens.weight.dtype
-        fns = [gemv_function(gemv_lib, dtype), elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
+        q4 = q4_of(first_attn.qkv_proj)  # if it runs the Q4_1 kernel, all do (_unsupported)
+        linear_fn = q4.lib.pagoda_q4_linear_packed if q4 is not None else gemv_function(_gemv_library(), dtype)
+        fns = [linear_fn, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
                elementwise.pagoda_silu_mul, attention.pagoda_write_kv, attention.pagoda_paged_decode]
         self._fns = (ctypes.c_void_p * len(fns))(*[_address(f) for f in fns])
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
+        def weight(linear: nn.Linear) -> int | None:  # a Q4_1 layer's three packed arrays, as one address
+            packed = q4_of(linear)
+            return ctypes.addressof(packed.packed) if packed is not None else ptr(linear.weight)
+
+        def bias(linear: nn.Linear) -> int | None:  # the bias the layer's forward adds
+            packed = q4_of(linear)
+            return ptr(packed.bias if packed is not None else linear.bias)
+
         ptrs: list[int | None] = []
         for layer, cache in zip(layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            ptrs += [ptr(layer.input_layernorm.weight), ptr(attn.qkv_proj.weight), ptr(attn.qkv_proj.bias),
-                     ptr(attn.o_proj.weight), ptr(attn.o_proj.bias), ptr(layer.post_attention_layernorm.weight),
-                     ptr(mlp.gate_up_proj.weight), ptr(mlp.down_proj.weight), ptr(cache.k), ptr(cache.v)]
+            ptrs += [ptr(layer.input_layernorm.weight), weight(attn.qkv_proj), bias(attn.qkv_proj),
+                     weight(attn.o_proj), bias(attn.o_proj), ptr(layer.post_attention_layernorm.weight),
+                     weight(mlp.gate_up_proj), weight(mlp.down_proj), ptr(cache.k), ptr(cache.v)]
         assert len(ptrs) == _LAYER_PTRS * len(layers)
         self._layers = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self._num_layers = len(layers)
@@ -138,7 +149,10 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str 
         return "the model is not bfloat16 or float32"
     if model.ops.lib is None or model.ops.dtype != dtype:
         return "the fused elementwise ops are off"
-    if not linears or any(getattr(m, "_pagoda_gemv", None) is None for m in linears):
+    quantized = [is_q4(m) for m in linears]
+    if any(quantized) and not all(quantized):
+        return "some linears run the Q4_1 kernel and some do not"
+    if not linears or not all(quantized) and any(getattr(m, "_pagoda_gemv", None) is None for m in linears):
         return "the linears have no GEMV"
     backend = model.backend
     if not isinstance(backend, CppAttentionBackend) or not backend.kernel_ready or backend.fallback:

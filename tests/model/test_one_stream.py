@@ -32,12 +32,15 @@ def _generate(llm: LLM, seeded: bool) -> list[tuple[list[int], list[float]]]:
     return out
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float32+q4_1"])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_matches_the_eager_forward_exactly(tiny_model: tuple[str, Path], seeded: bool, dtype: str) -> None:
+    """float32+q4_1: the linears through the Q4_1 kernel's GEMV-shaped entry point."""
     arch, folder = tiny_model
+    dtype, _, quantization = dtype.partition("+")
     # no prefix caching: the second run's prompt steps would start from the first's blocks
-    llm = LLM(str(folder), dtype=dtype, attention_backend="cpp", enable_prefix_caching=False)
+    llm = LLM(str(folder), dtype=dtype, attention_backend="cpp", enable_prefix_caching=False,
+              quantization=quantization or "none")
     model = llm.engine.model
     if arch == "qwen3":  # per-head q/k norms: not taken
         assert model.one_stream_forward is None
