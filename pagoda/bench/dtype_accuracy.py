@@ -14,13 +14,14 @@ import math
 
 from pagoda import LLM
 from pagoda.bench.kv_accuracy import DEFAULT_CORPUS, corpus_windows, prompt_scores
+from pagoda.config import QUANTIZATIONS
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default=None, help="default: bfloat16, or float32 with --quantization")
-    p.add_argument("--quantization", default="none")
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--num-windows", type=int, default=4)
     args = p.parse_args()

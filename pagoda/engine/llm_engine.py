@@ -85,7 +85,8 @@ class LLMEngine:
                 logger.warning("prepack_weights: nothing packed (it applies to float32 weights, and to bfloat16 "
                                "ones where oneDNN supports bfloat16 on this CPU); dtype is %s", mc.torch_dtype)
         offload = self._make_offload_store(caches)
-        identity = f"{loaded.identity}:{mc.torch_dtype}:{plan.spec.name}"  # whose K/V a cached block holds
+        # whose K/V a cached block holds: q4_1 layers compute other K/V than the float weights
+        identity = f"{loaded.identity}:{mc.torch_dtype}:{mc.quantization}:{plan.spec.name}"
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching, identity,
                                  offload.num_slots if offload else 0)
         self.scheduler = Scheduler(config.scheduler, self.kv)
