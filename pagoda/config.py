@@ -67,8 +67,9 @@ class ModelConfig:
     # elementwise steps in C++ for float32/16-bit models (pagoda/layers/elementwise.py), the sampler's plain rows
     # (pagoda/layers/sampler.py) and bfloat16 linears of 1-4-row steps (pagoda/layers/gemv.cpp)
     fused_ops: bool = True
-    # "q4_1": the decoder's linears run 4-bit Q4_1 weights against int8 activations, llama.cpp's arithmetic for a
-    # Q4_1 file (pagoda/layers/q4_linear.py); float32 models only. "none": the weights as loaded.
+    # "q4_1": the decoder's linears run 4-bit Q4_1 weights (the lm_head 8-bit Q8_0) against int8 activations,
+    # llama.cpp's arithmetic for a Q4_1 file (pagoda/layers/q4_linear.py); float32 models only. "none": the
+    # weights as loaded.
     quantization: str = "none"
 
     def __post_init__(self) -> None:

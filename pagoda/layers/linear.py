@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.layers.cpp_build import load_library
-from pagoda.layers.q4_linear import is_q4
+from pagoda.layers.q4_linear import is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def enable_gemv(model: nn.Module, portable: bool = False) -> float:
     """Give the model's bfloat16 and float32 linears (contiguous weight and bias of the weight's dtype) the C++
     GEMV for steps of 1-GEMV_MAX_ROWS rows; returns the seconds its build took. If the build fails (logged), they
     keep their other paths."""
-    layers = [m for m in model.modules() if isinstance(m, nn.Linear) and not is_q4(m)
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear) and not is_quantized(m)
               and m.weight.dtype in GEMV_DTYPES and m.weight.is_contiguous()
               and (m.bias is None or (m.bias.dtype == m.weight.dtype and m.bias.is_contiguous()))]
     if not layers:
@@ -167,7 +167,7 @@ def prepack_linears(model: nn.Module) -> tuple[int, range | None]:
     layer has a dtype oneDNN can pack here, packable_rows)."""
     added, used = 0, None
     for module in model.modules():
-        if isinstance(module, nn.Linear) and not is_q4(module) and (rows := packable_rows(module.weight.dtype)):
+        if isinstance(module, nn.Linear) and not is_quantized(module) and (rows := packable_rows(module.weight.dtype)):
             _install(module)
             module._pagoda_packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 16)
             added += module.weight.numel() * module.weight.element_size()

@@ -166,6 +166,74 @@ static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_
 }
 #endif
 
+// Q8_0 weights (the default model's lm_head is Q8_0 in its file): w = d * q, q in -127..127, d float16, per
+// block of 32, packed like Q4_1 but a byte a weight: per (tile, block) 512 bytes, for k-group g in 0..7, half h,
+// column c, i in 0..3: q[k = 4g + i] of column 8h + c; d: (tile, block, 16 columns). `vpmaddubsw` wants one
+// operand unsigned: |q| against xq carrying q's sign (`vpsignb`). A pair is at most 2 * 127 * 127 = 32,258,
+// so each product goes to int32 at once (`vpmaddwd`), not summed in int16 as the 4-bit ones are.
+constexpr int64_t TILE_BYTES_Q8 = NR * QK;
+
+#ifdef PAGODA_Q4_AVX2
+template <int R>
+static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const int8_t* wq, const float* wd,
+                         const float* bias, float* y, int64_t N) {
+  const int64_t nb = K / QK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][H];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* qb = wq + b * TILE_BYTES_Q8;
+    __m256i s[R][H];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h) s[r][h] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int g = 0; g < 8; ++g) {
+      __m256i a[R];
+      for (int r = 0; r < R; ++r) a[r] = _mm256_set1_epi32(load4(xq + r * K + b * QK + g * 4));
+      for (int h = 0; h < H; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + (g * H + h) * 32));
+        const __m256i av = _mm256_abs_epi8(v);
+        for (int r = 0; r < R; ++r)
+          s[r][h] = _mm256_add_epi32(
+              s[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(a[r], v)), ones));
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      const __m256 d = _mm256_loadu_ps(wd + b * NR + h * 8);
+      for (int r = 0; r < R; ++r)
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])),
+                                    acc[r][h]);
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + h * 8) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + h * 8, _mm256_add_ps(acc[r][h], bv));
+  }
+}
+#else
+template <int R>
+static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const int8_t* wq, const float* wd,
+                         const float* bias, float* y, int64_t N) {
+  const int64_t nb = K / QK;
+  for (int r = 0; r < R; ++r) {
+    float acc[NR] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* qb = wq + b * TILE_BYTES_Q8;
+      const int8_t* a = xq + r * K + b * QK;
+      for (int64_t n = 0; n < NR; ++n) {
+        const int64_t h = n / 8, c = n % 8;
+        int32_t isum = 0;
+        for (int g = 0; g < 8; ++g)
+          for (int i = 0; i < 4; ++i) isum += int32_t(qb[(g * H + h) * 32 + c * 4 + i]) * a[g * 4 + i];
+        acc[n] += float(isum) * (wd[b * NR + n] * dx[r * nb + b]);
+      }
+    }
+    for (int64_t n = 0; n < NR; ++n) y[r * N + n] = acc[n] + (bias ? bias[n] : 0.0f);
+  }
+}
+#endif
+
 // xq (M, K) int8, dx and sx (M, K / QK) from pagoda_q8_quantize; wq (N / NR, K / QK, TILE_BYTES) uint8, wd and
 // wm (N / NR, K / QK, NR) float32; bias (N) float32 or null; y (M, N) float32. N a multiple of NR, K of QK.
 // Threads split the tiles; each runs all rows against its tile, whose weights (18 KiB for K = 1,536) stay in L1
@@ -215,4 +283,32 @@ extern "C" void pagoda_q4_linear_packed(const void* x, const void* w, const void
   const auto* p = static_cast<const void* const*>(w);
   pagoda_q4_linear(static_cast<const float*>(x), static_cast<const uint8_t*>(p[0]), static_cast<const float*>(p[1]),
                    static_cast<const float*>(p[2]), static_cast<const float*>(bias), static_cast<float*>(y), M, N, K);
+}
+
+// The Q8_0 layer: as pagoda_q4_linear, with Q8_0 weights (wq (N / NR, K / QK, TILE_BYTES_Q8) int8, wd).
+extern "C" void pagoda_q8_linear(const float* x, const int8_t* wq, const float* wd, const float* bias, float* y,
+                                 int64_t M, int64_t N, int64_t K) {
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> scales;
+  const int64_t nb = K / QK, blocks = M * nb, tiles = N / NR;
+  if (int64_t(xq.size()) < M * K) xq.resize(M * K);
+  if (int64_t(scales.size()) < 2 * blocks) scales.resize(2 * blocks);
+  // the threads below read the calling thread's scratch: its addresses, taken here (thread_local is per thread)
+  int8_t* q = xq.data();
+  const float* dx = scales.data();
+  pagoda_q8_quantize(x, q, scales.data(), scales.data() + blocks, M, K);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int8_t* tq = wq + t * nb * TILE_BYTES_Q8;
+    const float* td = wd + t * nb * NR;
+    const float* tb = bias ? bias + t * NR : nullptr;
+    int64_t m = 0;
+    for (; m + ROWS <= M; m += ROWS)
+      tile_rows_q8<ROWS>(q + m * K, dx + m * nb, K, tq, td, tb, y + m * N + t * NR, N);
+    switch (M - m) {
+      case 2: tile_rows_q8<2>(q + m * K, dx + m * nb, K, tq, td, tb, y + m * N + t * NR, N); break;
+      case 1: tile_rows_q8<1>(q + m * K, dx + m * nb, K, tq, td, tb, y + m * N + t * NR, N); break;
+      default: break;
+    }
+  }
 }

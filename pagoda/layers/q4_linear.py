@@ -1,6 +1,6 @@
-"""`--quantization q4_1`: linear layers with 4-bit weights in Q4_1 blocks and activations quantized to int8 per
-block of 32 as each layer runs, in C++ (pagoda/layers/q4_gemm.cpp, which explains the arithmetic). It is what
-llama.cpp computes for a Q4_1 GGUF file on a CPU.
+"""`--quantization q4_1`: linear layers with 4-bit weights in Q4_1 blocks (the lm_head 8-bit, Q8_0) and
+activations quantized to int8 per block of 32 as each layer runs, in C++ (pagoda/layers/q4_gemm.cpp, which
+explains the arithmetic). It is what llama.cpp computes for a Q4_1 GGUF file on a CPU.
 
 The weights: each block of 32 consecutive weights of an output row becomes d * q + m (q in 0..15, d and m
 float16), as GGUF's Q4_1 stores them: m is the block's minimum and d its range / 15, both rounded to float16.
@@ -9,10 +9,12 @@ llama.cpp quantizes a block's minimum to 0 and its maximum to 15), so for the de
 are the file's own; other models' weights are rounded to 4 bits here.
 
 Which layers: every nn.Linear of the decoder layers whose input width is a multiple of 32 and output width a
-multiple of 16, float32 models only. The output projection (lm_head) keeps its float weights: in the default
-model it is the token embedding, stored as Q8_0 in the file, and a 4-bit copy would add error where the file
-has none. The float32 copies of the quantized layers' weights are freed (the default model: 405 MiB of
-float32 weights for 76 MiB packed).
+multiple of 16, float32 models only. The output projection (lm_head) gets Q8_0 weights instead (8 bits, d per
+block of 32), against the same int8 activations: in the default model it is the token embedding, stored as Q8_0
+in the file (so again the file's own weights, bit for bit), and llama.cpp runs it so; 4 bits would add error
+where the file has none. The float32 copies of the decoder layers' weights are freed (the default model: 405
+MiB of float32 weights for 76 MiB packed); the lm_head's stays, as it is often the embedding's too (+34 MiB
+packed).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def q4_library(portable: bool = False) -> Any:
     lib.pagoda_q4_linear.restype = None
     lib.pagoda_q4_linear_packed.argtypes = [ptr] * 4 + [i64] * 3
     lib.pagoda_q4_linear_packed.restype = None
+    lib.pagoda_q8_linear.argtypes = [ptr] * 5 + [i64] * 3
+    lib.pagoda_q8_linear.restype = None
     return lib
 
 
@@ -89,6 +93,61 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.
     return packed, scales[0], scales[1]
 
 
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) weights -> q (N, K) int8 in -127..127 and d (N, K / QK) float32 holding float16 values, weight ~ d * q
+    per block, d = max |w| / 127 as GGUF's Q8_0 (exactly, for weights dequantized from Q8_0: a block's largest
+    |q| is 127 there)."""
+    n, k = weight.shape
+    if k % QK:
+        raise ValueError(f"Q8_0 needs an input width that is a multiple of {QK}, got {k}")
+    blocks = weight.detach().float().reshape(n, k // QK, QK)
+    d = (blocks.abs().amax(-1) / 127).half().float()
+    if not torch.isfinite(d).all():
+        raise ValueError("Q8_0: a weight block's scale does not fit float16")
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), d
+
+
+def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout pagoda_q8_linear reads (q4_gemm.cpp): bytes (N / NR, K / QK, 512) and scales (N / NR, K / QK,
+    NR)."""
+    n, k = q.shape
+    if n % NR:
+        raise ValueError(f"the packed Q8_0 layout needs an output width that is a multiple of {NR}, got {n}")
+    tiles, nb = n // NR, k // QK
+    # q[n = 16 t + 8 h + c][k = 32 b + 4 g + i] -> (t, b, g, h, c, i)
+    packed = q.reshape(tiles, NR // 8, 8, nb, 8, 4).permute(0, 3, 4, 1, 2, 5).contiguous()
+    return packed.reshape(tiles, nb, NR * QK), d.reshape(tiles, NR, nb).transpose(1, 2).contiguous()
+
+
+class Q8Linear:
+    """A linear layer's packed Q8_0 weights and the forward that runs them (against int8 activations, as
+    Q4Linear)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: Any) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.wq, self.wd = pack_q8_0(*quantize_q8_0(weight))
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.lib = lib
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.wq, self.wd))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        rows = x2.shape[0]
+        y = torch.empty((rows, self.out_features), dtype=torch.float32)
+        if rows:
+            self.lib.pagoda_q8_linear(x2.data_ptr(), self.wq.data_ptr(), self.wd.data_ptr(),
+                                      None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), rows,
+                                      self.out_features, self.in_features)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
 class Q4Linear:
     """A linear layer's packed Q4_1 weights and the forward that runs them."""
 
@@ -122,26 +181,33 @@ def quantizable(layer: nn.Linear) -> bool:
 
 
 def quantize_linears(model: nn.Module, portable: bool = False) -> tuple[int, int, float]:
-    """Give the decoder layers' float32 linears (quantizable) Q4_1 weights and free their float copies; returns
-    (layers quantized, bytes of their packed weights, seconds taken, compile included). The model's lm_head is
-    left as it is (see the module's docstring). Raises if the kernels cannot be compiled: the user asked for
-    this format, and a silent float32 fallback would report the wrong numbers."""
+    """Give the decoder layers' float32 linears (quantizable) Q4_1 weights and free their float copies, and the
+    lm_head Q8_0 weights (its float weight stays: it is often the token embedding too); returns (layers
+    quantized, bytes of their packed weights, seconds taken, compile included). Raises if the kernels cannot be
+    compiled: the user asked for this format, and a silent float32 fallback would report the wrong numbers."""
     start = time.perf_counter()
     lib = q4_library(portable)
     if portable or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         logger.warning("quantization q4_1: this CPU has no AVX2 (or the portable build was asked for); the Q4_1 "
                        "kernel runs as plain C++, far slower than float32 matmuls")
-    layers = [(name, m) for name, m in model.named_modules()
-              if isinstance(m, nn.Linear) and not name.endswith("lm_head") and quantizable(m)]
-    total = 0
-    for _, layer in layers:
-        q4 = Q4Linear(layer.weight, layer.bias, lib)
-        total += q4.nbytes()
-        layer._pagoda_q4 = q4  # type: ignore[assignment]
-        layer.forward = q4  # type: ignore[method-assign,assignment]
-        # the float copy is not read again: an empty tensor keeps the attribute for code that looks at dtypes
-        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
-    return len(layers), total, time.perf_counter() - start
+    count, total = 0, 0
+    for name, layer in list(model.named_modules()):
+        if not isinstance(layer, nn.Linear) or not quantizable(layer):
+            continue
+        if name.endswith("lm_head"):
+            q8 = Q8Linear(layer.weight, layer.bias, lib)
+            layer._pagoda_q8 = q8  # type: ignore[assignment]
+            layer.forward = q8  # type: ignore[method-assign,assignment]
+            total += q8.nbytes()
+        else:
+            q4 = Q4Linear(layer.weight, layer.bias, lib)
+            layer._pagoda_q4 = q4  # type: ignore[assignment]
+            layer.forward = q4  # type: ignore[method-assign,assignment]
+            total += q4.nbytes()
+            # the float copy is not read again: an empty tensor keeps the attribute for code that looks at dtypes
+            layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+        count += 1
+    return count, total, time.perf_counter() - start
 
 
 def q4_of(layer: nn.Module) -> Q4Linear | None:
@@ -154,7 +220,12 @@ def is_q4(layer: nn.Module) -> bool:
     return q4_of(layer) is not None
 
 
+def is_quantized(layer: nn.Module) -> bool:
+    """The layer runs packed Q4_1 or Q8_0 weights (quantize_linears)."""
+    return is_q4(layer) or getattr(layer, "_pagoda_q8", None) is not None
+
+
 def weight_bytes(layer: nn.Linear) -> int:
-    """The bytes a step reads for the layer's weights: packed Q4_1 (with scales) or the weight tensor."""
-    q4 = q4_of(layer)
-    return q4.nbytes() if q4 is not None else layer.weight.numel() * layer.weight.element_size()
+    """The bytes a step reads for the layer's weights: packed Q4_1 or Q8_0 (with scales) or the weight tensor."""
+    packed: Q4Linear | Q8Linear | None = q4_of(layer) or getattr(layer, "_pagoda_q8", None)
+    return packed.nbytes() if packed is not None else layer.weight.numel() * layer.weight.element_size()

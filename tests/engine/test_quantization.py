@@ -1,14 +1,14 @@
-"""`quantization="q4_1"` through the engine, on the default model: every decoder linear runs the Q4_1 kernel on
-the file's own weights (checked layer by layer against tests/layers/test_q4_linear.py's float64 reference), and
-the whole model's teacher-forced predictions sit as far from float32's as transformers' do with the same
-arithmetic patched into its linears; and the settings it refuses.
+"""`quantization="q4_1"` through the engine, on the default model: every decoder linear runs the Q4_1 kernel and
+the lm_head the Q8_0 one on the file's own weights (checked layer by layer against tests/layers/test_q4_linear.py's
+float64 references), and the whole model's teacher-forced predictions sit as far from float32's as transformers'
+do with the same arithmetic patched into its linears; and the settings it refuses.
 
 Not token for token against transformers: rounding each layer's input to int8 turns last-bit differences between
 two float32 implementations into a step of one int8 value here and there, and those grow through the 30 layers
-into noise of their own. Measured when this was written, mean |logprob change| on 299 positions of text:
-transformers with the reference arithmetic against float32 0.109 (93.6% same top-1), the engine's q4_1 against
-float32 0.116 (95.7%), and the two q4_1 sides against each other 0.140 (93.3%): as far apart as two independent
-roundings. (bfloat16 weights and activations, for scale: 97% same top-1, BENCHMARKS.md.)"""
+into noise of their own. Measured when this was written (the lm_head still float32), mean |logprob change| on
+299 positions of text: transformers with the reference arithmetic against float32 0.109 (93.6% same top-1), the
+engine's q4_1 against float32 0.116 (95.7%), and the two q4_1 sides against each other 0.140 (93.3%): as far
+apart as two independent roundings. (bfloat16 weights and activations, for scale: 97% same top-1, BENCHMARKS.md.)"""
 
 from __future__ import annotations
 
@@ -20,19 +20,24 @@ from torch import nn
 
 from pagoda import LLM
 from pagoda.bench.kv_accuracy import prompt_scores
-from pagoda.layers.q4_linear import is_q4, quantize_q4_1
+from pagoda.layers.q4_linear import is_q4, is_quantized, quantize_q4_1, quantize_q8_0
 from pagoda.model.loader import resolve_model_path
 from tests.engine.test_smollm2 import corpus_text
-from tests.layers.test_q4_linear import reference_linear
+from tests.layers.test_q4_linear import reference_linear, reference_q8_linear
 
 TOKENS = 300
 
 
-def q4_forward(layer: nn.Linear) -> Any:
-    q, d, m = quantize_q4_1(layer.weight)
+def reference_forward(layer: nn.Linear, lm_head: bool = False) -> Any:
+    """The float64 reference of the layer's arithmetic under q4_1: Q8_0 weights for the lm_head, Q4_1 else."""
+    if lm_head:
+        q8, d8 = quantize_q8_0(layer.weight)
+    else:
+        q, d, m = quantize_q4_1(layer.weight)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        y = reference_linear(x.reshape(-1, x.shape[-1]).float(), q, d, m, layer.bias)
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        y = reference_q8_linear(x2, q8, d8, layer.bias) if lm_head else reference_linear(x2, q, d, m, layer.bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
     return forward
@@ -55,16 +60,21 @@ def test_q4_1_on_the_default_model() -> None:
         x = torch.randn(5, float_layer.in_features, generator=g)
         want = reference_linear(x, *quantize_q4_1(float_layer.weight), None)
         torch.testing.assert_close(q4_layer(x).double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-    assert not is_q4(q4.engine.model.lm_head)
+    lm_head = q4.engine.model.lm_head
+    assert is_quantized(lm_head) and not is_q4(lm_head)
+    x = torch.randn(3, lm_head.in_features, generator=g)
+    want = reference_q8_linear(x, *quantize_q8_0(plain.engine.model.lm_head.weight), None)
+    torch.testing.assert_close(lm_head(x).double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
     ids = q4.get_tokenizer().encode(corpus_text())[:TOKENS]
     targets = torch.tensor(ids[1:])
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     with torch.inference_mode():
         hf_float = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].double(), dim=-1)
-        for module in hf.model.modules():  # the decoder: lm_head keeps its float weights, as in the engine
+        for module in hf.model.modules():  # the decoder's layers
             if isinstance(module, nn.Linear):
-                module.forward = q4_forward(module)  # type: ignore[method-assign]
+                module.forward = reference_forward(module)  # type: ignore[method-assign]
+        hf.lm_head.forward = reference_forward(hf.lm_head, lm_head=True)  # type: ignore[method-assign]
         hf_q4 = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].double(), dim=-1)
 
     def scores(lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pagoda.layers import linear, q4_linear
-from pagoda.layers.q4_linear import QK, Q4Linear, dequantize_q4_1, quantize_q4_1
+from pagoda.layers.q4_linear import QK, Q4Linear, Q8Linear, dequantize_q4_1, quantize_q4_1, quantize_q8_0
 
 
 def q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -28,6 +28,15 @@ def reference_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch
     n, k = q.shape
     isum = torch.einsum("mbk,nbk->mnb", xq.reshape(x.shape[0], -1, QK).double(), q.reshape(n, -1, QK).double())
     y = (isum * d.double()[None] * dx.double()[:, None] + m.double()[None] * sx.double()[:, None]).sum(-1)
+    return y if bias is None else y + bias.double()
+
+
+def reference_q8_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Q8_0 weights: sum over blocks of d * dx * sum(q xq), in float64."""
+    xq, dx, _ = q8_reference(x)
+    n, k = q.shape
+    isum = torch.einsum("mbk,nbk->mnb", xq.reshape(x.shape[0], -1, QK).double(), q.reshape(n, -1, QK).double())
+    y = (isum * d.double()[None] * dx.double()[:, None]).sum(-1)
     return y if bias is None else y + bias.double()
 
 
@@ -74,6 +83,23 @@ def test_kernel_matches_float64_reference(portable: bool, n: int, k: int) -> Non
     torch.testing.assert_close(Q4Linear(w, None, lib)(x), x @ dequantize_q4_1(q, d, m).T, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (48, 1536), (16, 32)])
+def test_q8_kernel_matches_float64_reference(portable: bool, n: int, k: int) -> None:
+    """The Q8_0 layer (the lm_head's format), as the Q4_1 one above; weights up to |q| = 127 on both signs."""
+    lib = q4_linear.q4_library(portable)
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    q, d = quantize_q8_0(w)
+    assert int(q.abs().max()) == 127 and q.dtype == torch.int8
+    for bias in (None, torch.randn(n, generator=g)):
+        layer = Q8Linear(w, bias, lib)
+        for rows in (*range(1, 6), 40):
+            x = torch.randn(rows, k, generator=g)
+            want = reference_q8_linear(x, q, d, bias)
+            torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 def test_leading_dimensions_and_empty_input() -> None:
     layer = Q4Linear(torch.randn(32, 64), None, q4_linear.q4_library())
     x = torch.randn(2, 3, 64)
@@ -99,14 +125,17 @@ def test_weight_format_is_q4_1() -> None:
 
 
 def test_default_model_q4_1_weights_come_back_exactly() -> None:
-    """The default model's layers are Q4_1 in its GGUF file: re-quantizing the float32 weights the loader gives
-    recovers q, d and m, bit for bit."""
+    """The default model's layers are Q4_1 in its GGUF file and its embedding (the lm_head) Q8_0: re-quantizing the
+    float32 weights the loader gives recovers q, d (and m), bit for bit."""
     from pagoda.model.gguf_loader import load_gguf
     from pagoda.model.loader import resolve_model_path
 
     gguf = load_gguf(resolve_model_path("smollm2-135m-instruct"))
     checked = 0
     for name, tensor in gguf.tensors():
+        if name == "model.embed_tokens.weight":  # Q8_0 in the file; the lm_head (tied)
+            q8, d8 = quantize_q8_0(tensor)
+            assert torch.equal((d8[..., None] * q8.reshape(*d8.shape, QK).float()).reshape(tensor.shape), tensor)
         if name.startswith("model.layers.") and tensor.dim() == 2:
             q, d, m = quantize_q4_1(tensor)
             assert torch.equal(dequantize_q4_1(q, d, m), tensor), name
@@ -117,18 +146,21 @@ def test_default_model_q4_1_weights_come_back_exactly() -> None:
 
 
 def test_quantize_linears_frees_the_float_weights_and_other_paths_leave_them_alone() -> None:
-    """Layers named lm_head and widths that do not tile stay float; the quantized ones keep their q4 forward
-    after enable_gemv and prepack_linears."""
+    """Widths that do not tile stay float; the lm_head gets Q8_0 and keeps its float weight (often the
+    embedding's); the quantized ones keep their forward after enable_gemv and prepack_linears."""
     model = nn.Module()
     model.block = nn.Sequential(nn.Linear(64, 32), nn.Linear(64, 20))
     model.lm_head = nn.Linear(64, 48, bias=False)
     x = torch.randn(5, 64)
     count, nbytes, _ = q4_linear.quantize_linears(model)
-    assert count == 1 and nbytes > 0
+    assert count == 2 and nbytes > 0
     assert q4_linear.is_q4(model.block[0]) and model.block[0].weight.numel() == 0
-    assert not q4_linear.is_q4(model.block[1]) and not q4_linear.is_q4(model.lm_head)
-    before = model.block[0](x)
+    assert not q4_linear.is_quantized(model.block[1])
+    assert q4_linear.is_quantized(model.lm_head) and not q4_linear.is_q4(model.lm_head)
+    assert model.lm_head.weight.shape == (48, 64)
+    before = [model.block[0](x), model.lm_head(x)]
     linear.enable_gemv(model)
     linear.prepack_linears(model)
-    assert not linear.is_packed(model.block[0]) and getattr(model.block[0], "_pagoda_gemv", None) is None
-    assert torch.equal(model.block[0](x), before)
+    for layer, out in zip((model.block[0], model.lm_head), before, strict=True):
+        assert not linear.is_packed(layer) and getattr(layer, "_pagoda_gemv", None) is None
+        assert torch.equal(layer(x), out)
