@@ -26,6 +26,7 @@
 #define PAGODA_Q4_AVX2 1
 #endif
 
+#include <type_traits>
 #include <vector>
 
 constexpr int64_t QK = 32;
@@ -234,45 +235,62 @@ static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const int
 }
 #endif
 
-// xq (M, K) int8, dx and sx (M, K / QK) from pagoda_q8_quantize; wq (N / NR, K / QK, TILE_BYTES) uint8, wd and
-// wm (N / NR, K / QK, NR) float32; bias (N) float32 or null; y (M, N) float32. N a multiple of NR, K of QK.
-// Threads split the tiles; each runs all rows against its tile, whose weights (18 KiB for K = 1,536) stay in L1
-// while the rows stream past. Blocking the rows too (32-256 KiB of xq at a time, so that they stay in L2) made
-// no difference that the machine's drift did not swamp (ad hoc).
-extern "C" void pagoda_q4_gemm(const int8_t* xq, const float* dx, const float* sx, const uint8_t* wq,
-                               const float* wd, const float* wm, const float* bias, float* y, int64_t M, int64_t N,
-                               int64_t K) {
-  const int64_t nb = K / QK, tiles = N / NR;
+// Runs tile(t, m, rows) for each tile t of NR columns and each group of rows (ROWS, then a tail of 1 or 2) from m.
+// Threads split the tiles; each runs all rows against its tile, whose weights (18 KiB of Q4_1 for K = 1,536) stay
+// in L1 while the rows stream past. Blocking the rows too (32-256 KiB of xq at a time, so that they stay in L2)
+// made no difference that the machine's drift did not swamp (ad hoc).
+template <typename Tile>
+static void for_each_tile(int64_t M, int64_t N, const Tile& tile) {
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* tq = wq + t * nb * TILE_BYTES;
-    const float* td = wd + t * nb * NR;
-    const float* tm = wm + t * nb * NR;
-    const float* tb = bias ? bias + t * NR : nullptr;
+  for (int64_t t = 0; t < N / NR; ++t) {
     int64_t m = 0;
-    for (; m + ROWS <= M; m += ROWS)
-      tile_rows<ROWS>(xq + m * K, dx + m * nb, sx + m * nb, K, tq, td, tm, tb, y + m * N + t * NR, N);
-    const int64_t xs = m * K, ss = m * nb;
-    float* yt = y + m * N + t * NR;
-    switch (M - m) {
-      case 2: tile_rows<2>(xq + xs, dx + ss, sx + ss, K, tq, td, tm, tb, yt, N); break;
-      case 1: tile_rows<1>(xq + xs, dx + ss, sx + ss, K, tq, td, tm, tb, yt, N); break;
-      default: break;
-    }
+    for (; m + ROWS <= M; m += ROWS) tile(t, m, std::integral_constant<int, ROWS>());
+    if (M - m == 2) tile(t, m, std::integral_constant<int, 2>());
+    if (M - m == 1) tile(t, m, std::integral_constant<int, 1>());
   }
 }
 
-// The layer in one call: x (M, K) float32 rounded into this thread's scratch (kept between calls), then the
-// kernel. One call instead of two and three tensors fewer a layer: 120 layer calls a token for one stream.
-extern "C" void pagoda_q4_linear(const float* x, const uint8_t* wq, const float* wd, const float* wm,
-                                 const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+// x (M, K) rounded by pagoda_q8_quantize into the calling thread's scratch, kept between calls (thread_local:
+// the kernels' threads read it through these addresses).
+struct Rounded {
+  const int8_t* xq;
+  const float* dx;
+  const float* sx;
+};
+
+static Rounded round_into_scratch(const float* x, int64_t M, int64_t K) {
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> scales;
   const int64_t blocks = M * (K / QK);
   if (int64_t(xq.size()) < M * K) xq.resize(M * K);
   if (int64_t(scales.size()) < 2 * blocks) scales.resize(2 * blocks);
   pagoda_q8_quantize(x, xq.data(), scales.data(), scales.data() + blocks, M, K);
-  pagoda_q4_gemm(xq.data(), scales.data(), scales.data() + blocks, wq, wd, wm, bias, y, M, N, K);
+  return {xq.data(), scales.data(), scales.data() + blocks};
+}
+
+// A Q4_1 layer in one call: x (M, K) float32, wq (N / NR, K / QK, TILE_BYTES) uint8, wd and wm (N / NR, K / QK, NR)
+// float32, bias (N) float32 or null, y (M, N) float32; N a multiple of NR, K of QK. One call a layer, not one to
+// round and one to multiply with the rounded rows in tensors: 1.7-2.1x faster at 1 row (BENCHMARKS.md).
+extern "C" void pagoda_q4_linear(const float* x, const uint8_t* wq, const float* wd, const float* wm,
+                                 const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t nb = K / QK;
+  const Rounded a = round_into_scratch(x, M, K);
+  for_each_tile(M, N, [&](int64_t t, int64_t m, auto rows) {
+    tile_rows<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, a.sx + m * nb, K, wq + t * nb * TILE_BYTES,
+                                     wd + t * nb * NR, wm + t * nb * NR, bias ? bias + t * NR : nullptr,
+                                     y + m * N + t * NR, N);
+  });
+}
+
+// The Q8_0 layer, as pagoda_q4_linear: wq (N / NR, K / QK, TILE_BYTES_Q8) int8, wd (N / NR, K / QK, NR).
+extern "C" void pagoda_q8_linear(const float* x, const int8_t* wq, const float* wd, const float* bias, float* y,
+                                 int64_t M, int64_t N, int64_t K) {
+  const int64_t nb = K / QK;
+  const Rounded a = round_into_scratch(x, M, K);
+  for_each_tile(M, N, [&](int64_t t, int64_t m, auto rows) {
+    tile_rows_q8<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, K, wq + t * nb * TILE_BYTES_Q8,
+                                        wd + t * nb * NR, bias ? bias + t * NR : nullptr, y + m * N + t * NR, N);
+  });
 }
 
 // pagoda_q4_linear with the GEMV's signature (gemv.cpp), for the one-call one-stream forward
@@ -283,32 +301,4 @@ extern "C" void pagoda_q4_linear_packed(const void* x, const void* w, const void
   const auto* p = static_cast<const void* const*>(w);
   pagoda_q4_linear(static_cast<const float*>(x), static_cast<const uint8_t*>(p[0]), static_cast<const float*>(p[1]),
                    static_cast<const float*>(p[2]), static_cast<const float*>(bias), static_cast<float*>(y), M, N, K);
-}
-
-// The Q8_0 layer: as pagoda_q4_linear, with Q8_0 weights (wq (N / NR, K / QK, TILE_BYTES_Q8) int8, wd).
-extern "C" void pagoda_q8_linear(const float* x, const int8_t* wq, const float* wd, const float* bias, float* y,
-                                 int64_t M, int64_t N, int64_t K) {
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> scales;
-  const int64_t nb = K / QK, blocks = M * nb, tiles = N / NR;
-  if (int64_t(xq.size()) < M * K) xq.resize(M * K);
-  if (int64_t(scales.size()) < 2 * blocks) scales.resize(2 * blocks);
-  // the threads below read the calling thread's scratch: its addresses, taken here (thread_local is per thread)
-  int8_t* q = xq.data();
-  const float* dx = scales.data();
-  pagoda_q8_quantize(x, q, scales.data(), scales.data() + blocks, M, K);
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int8_t* tq = wq + t * nb * TILE_BYTES_Q8;
-    const float* td = wd + t * nb * NR;
-    const float* tb = bias ? bias + t * NR : nullptr;
-    int64_t m = 0;
-    for (; m + ROWS <= M; m += ROWS)
-      tile_rows_q8<ROWS>(q + m * K, dx + m * nb, K, tq, td, tb, y + m * N + t * NR, N);
-    switch (M - m) {
-      case 2: tile_rows_q8<2>(q + m * K, dx + m * nb, K, tq, td, tb, y + m * N + t * NR, N); break;
-      case 1: tile_rows_q8<1>(q + m * K, dx + m * nb, K, tq, td, tb, y + m * N + t * NR, N); break;
-      default: break;
-    }
-  }
 }

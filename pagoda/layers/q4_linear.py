@@ -46,8 +46,6 @@ def q4_library(portable: bool = False) -> Any:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_q8_quantize.argtypes = [ptr] * 4 + [i64] * 2
     lib.pagoda_q8_quantize.restype = None
-    lib.pagoda_q4_gemm.argtypes = [ptr] * 8 + [i64] * 3
-    lib.pagoda_q4_gemm.restype = None
     lib.pagoda_q4_linear.argtypes = [ptr] * 6 + [i64] * 3
     lib.pagoda_q4_linear.restype = None
     lib.pagoda_q4_linear_packed.argtypes = [ptr] * 4 + [i64] * 3
@@ -80,7 +78,7 @@ def dequantize_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.
 
 
 def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layout pagoda_q4_gemm reads (q4_gemm.cpp): bytes (N / NR, K / QK, 256) and scales (N / NR, K / QK,
+    """The layout pagoda_q4_linear reads (q4_gemm.cpp): bytes (N / NR, K / QK, 256) and scales (N / NR, K / QK,
     NR)."""
     n, k = q.shape
     if n % NR:
@@ -121,59 +119,68 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return packed.reshape(tiles, nb, NR * QK), d.reshape(tiles, NR, nb).transpose(1, 2).contiguous()
 
 
-class Q8Linear:
-    """A linear layer's packed Q8_0 weights and the forward that runs them (against int8 activations, as
-    Q4Linear)."""
+class _PackedLinear:
+    """A linear layer's packed weights (Q4Linear, Q8Linear) and the forward that rounds its input and multiplies,
+    in one C++ call (_run)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: Any) -> None:
         self.out_features, self.in_features = weight.shape
-        self.wq, self.wd = pack_q8_0(*quantize_q8_0(weight))
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.lib = lib
 
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _bias_ptr(self) -> int | None:
+        return None if self.bias is None else self.bias.data_ptr()
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.wq, self.wd))
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        rows = x2.shape[0]
-        y = torch.empty((rows, self.out_features), dtype=torch.float32)
-        if rows:
-            self.lib.pagoda_q8_linear(x2.data_ptr(), self.wq.data_ptr(), self.wd.data_ptr(),
-                                      None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), rows,
-                                      self.out_features, self.in_features)
+        y = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
+        if x2.shape[0]:
+            self._run(x2, y)
         return y.reshape(*shape[:-1], self.out_features)
 
 
-class Q4Linear:
-    """A linear layer's packed Q4_1 weights and the forward that runs them."""
+class Q8Linear(_PackedLinear):
+    """Q8_0 weights (the lm_head's) against int8 activations."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: Any) -> None:
-        self.out_features, self.in_features = weight.shape
+        super().__init__(weight, bias, lib)
+        self.wq, self.wd = pack_q8_0(*quantize_q8_0(weight))
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.wq, self.wd
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.lib.pagoda_q8_linear(x.data_ptr(), self.wq.data_ptr(), self.wd.data_ptr(), self._bias_ptr(),
+                                  y.data_ptr(), x.shape[0], self.out_features, self.in_features)
+
+
+class Q4Linear(_PackedLinear):
+    """Q4_1 weights against int8 activations."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: Any) -> None:
+        super().__init__(weight, bias, lib)
         self.wq, self.wd, self.wm = pack_q4_1(*quantize_q4_1(weight))
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.lib = lib
         # the weights' three addresses, what pagoda_q4_linear_packed takes as its weight (the one-stream forward)
         self.packed = (ctypes.c_void_p * 3)(self.wq.data_ptr(), self.wd.data_ptr(), self.wm.data_ptr())
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.wq, self.wd, self.wm))
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.wq, self.wd, self.wm
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
-        rows, k = x2.shape
-        y = torch.empty((rows, self.out_features), dtype=torch.float32)
-        if rows:
-            self.lib.pagoda_q4_linear(x2.data_ptr(), self.wq.data_ptr(), self.wd.data_ptr(), self.wm.data_ptr(),
-                                      None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), rows,
-                                      self.out_features, k)
-        return y.reshape(*shape[:-1], self.out_features)
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.lib.pagoda_q4_linear(x.data_ptr(), self.wq.data_ptr(), self.wd.data_ptr(), self.wm.data_ptr(),
+                                  self._bias_ptr(), y.data_ptr(), x.shape[0], self.out_features, self.in_features)
 
 
 def quantizable(layer: nn.Linear) -> bool:
@@ -227,5 +234,5 @@ def is_quantized(layer: nn.Module) -> bool:
 
 def weight_bytes(layer: nn.Linear) -> int:
     """The bytes a step reads for the layer's weights: packed Q4_1 or Q8_0 (with scales) or the weight tensor."""
-    packed: Q4Linear | Q8Linear | None = q4_of(layer) or getattr(layer, "_pagoda_q8", None)
+    packed: _PackedLinear | None = q4_of(layer) or getattr(layer, "_pagoda_q8", None)
     return packed.nbytes() if packed is not None else layer.weight.numel() * layer.weight.element_size()
