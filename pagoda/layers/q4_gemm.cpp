@@ -91,6 +91,15 @@ static inline int32_t load4(const int8_t* p) {
   return v;
 }
 
+// A tile's R x 16 float32 sums, plus the bias, to y[r * N + 0..15] (both kernels below end so).
+template <int R>
+static void store_tile(const __m256 (&acc)[R][H], const float* bias, float* y, int64_t N) {
+  for (int h = 0; h < H; ++h) {
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + h * 8) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + h * 8, _mm256_add_ps(acc[r][h], bv));
+  }
+}
+
 // Rows [0, R) of xq (row stride K) against one tile (16 columns) of the packed weights; writes y[r * N + 0..15].
 template <int R>
 static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* wq,
@@ -135,10 +144,7 @@ static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_
       }
     }
   }
-  for (int h = 0; h < H; ++h) {
-    const __m256 bv = bias ? _mm256_loadu_ps(bias + h * 8) : _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + h * 8, _mm256_add_ps(acc[r][h], bv));
-  }
+  store_tile<R>(acc, bias, y, N);
 }
 #else
 template <int R>
@@ -207,10 +213,7 @@ static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const int
                                     acc[r][h]);
     }
   }
-  for (int h = 0; h < H; ++h) {
-    const __m256 bv = bias ? _mm256_loadu_ps(bias + h * 8) : _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + h * 8, _mm256_add_ps(acc[r][h], bv));
-  }
+  store_tile<R>(acc, bias, y, N);
 }
 #else
 template <int R>

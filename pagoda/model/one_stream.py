@@ -152,7 +152,7 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str 
     quantized = [is_q4(m) for m in linears]
     if any(quantized) and not all(quantized):
         return "some linears run the Q4_1 kernel and some do not"
-    if not linears or not all(quantized) and any(getattr(m, "_pagoda_gemv", None) is None for m in linears):
+    if not linears or (not all(quantized) and any(getattr(m, "_pagoda_gemv", None) is None for m in linears)):
         return "the linears have no GEMV"
     backend = model.backend
     if not isinstance(backend, CppAttentionBackend) or not backend.kernel_ready or backend.fallback:
