@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install test lint typecheck pytest run serve chat bench clean
+.PHONY: install test lint typecheck pytest run serve chat bench llama-server clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -36,6 +36,24 @@ serve: install
 
 chat: install
 	$(VENV)/bin/pagoda chat
+
+# The serving peer for `pagoda bench serve` (BENCHMARKS.md): llama.cpp's own llama-server, built from the llama.cpp
+# vendored in the llama-cpp-python sdist on PyPI (the version `--backend llamacpp` uses), for this CPU
+# (-march=native), without its web UI or TLS. Optional: `make test` never builds it (about 13 minutes on 2 cores).
+LLAMA_CPP_PYTHON := 0.3.36
+PEERS := .peers
+LLAMA_SRC := $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
+
+$(PEERS)/llama-server: | $(STAMP)
+	mkdir -p $(PEERS)
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(PEERS) llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	tar xzf $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(PEERS)
+	cmake -S $(LLAMA_SRC) -B $(PEERS)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_USE_PREBUILT_UI=OFF \
+	  -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(PEERS)/build --target llama-server -j2
+	ln -sf build/bin/llama-server $(PEERS)/llama-server
+
+llama-server: $(PEERS)/llama-server
 
 clean:
 	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache
