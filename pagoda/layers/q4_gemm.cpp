@@ -2,22 +2,24 @@
 // CPU: y (M, N) = x (M, K) @ w^T (+ bias), with w in Q4_1 blocks and x quantized per block as the layer runs.
 //
 // Along K, weights and activations come in blocks of QK = 32. A weight block (one output column, 32 k) holds
-// w = d * q + m: q in 0..15 (4 bits), d and m float16 values (kept here as float32). An activation block holds
+// w = d * q + m: q in 0..15 (4 bits), d and m float16. An activation block holds
 // x ~ dx * xq: xq in -127..127 with dx = max |x| / 127, and sx, the exact float sum of the block's x. A block's
 // product is then sum(w x) ~ d * dx * sum(q xq) + m * sx: the only rounding is xq's (a relative error up to
 // 1/254 of the block's largest |x|); sum(q xq) is an exact integer.
 //
 // Why: on AVX2, `vpmaddubsw` multiplies 32 pairs of bytes (q unsigned, xq signed) and adds neighbours into 16
-// int16 lanes in one instruction, where an FMA does 8 float32 multiply-adds; the weights take 0.75 bytes
-// each (4 bits, and d and m as float32 per 32) instead of 4: a tile stays in L1, one stream reads 5.3x fewer.
+// int16 lanes in one instruction, where an FMA does 8 float32 multiply-adds; the weights take 0.625 bytes
+// each (4 bits, and d and m as float16 per 32: the GGUF file's own bytes) instead of 4: a tile stays in L1, one
+// stream reads 6.4x fewer.
 // No saturation: a pair is at most 2 * 15 * 127 = 3,810, and 8 pairs of one lane summed in int16 stay under
 // 32,767 (30,480).
 //
 // Packed weight layout (pagoda/layers/q4_linear.py packs it): columns in tiles of NR = 16, then K blocks; per
-// (tile, block) 256 bytes: for p in 0..3, for half h in 0..1 (columns 8h..8h+7), for column c, for i in 0..3:
-// the byte (q[k = 4p + i] | q[k = 16 + 4p + i] << 4) of column 8h + c. One 32-byte load is then 8 columns'
-// 4-k groups p (low nibbles) and 4 + p (high nibbles), each int32 lane one column, what `vpmaddubsw` against a
-// broadcast 4-byte group of xq needs. Scales d, m: (tile, block, 16 columns) float32.
+// (tile, block) one record of 320 bytes, so that a thread reads one contiguous stream: first 256 bytes of q: for
+// p in 0..3, for half h in 0..1 (columns 8h..8h+7), for column c, for i in 0..3: the byte (q[k = 4p + i] |
+// q[k = 16 + 4p + i] << 4) of column 8h + c. One 32-byte load is then 8 columns' 4-k groups p (low nibbles) and
+// 4 + p (high nibbles), each int32 lane one column, what `vpmaddubsw` against a broadcast 4-byte group of xq
+// needs. Then the 16 columns' d, then their m, float16.
 //
 // Compiled at start-up by pagoda/layers/q4_linear.py (through pagoda/layers/cpp_build.py), after cpp_vector.h.
 // Without AVX2 (or with PAGODA_PORTABLE) the same sums run in plain C++ (much slower; tests compare the two).
@@ -38,6 +40,7 @@ constexpr int64_t QK = 32;
 constexpr int H = 2;
 constexpr int64_t NR = 8 * H;
 constexpr int64_t TILE_BYTES = NR * QK / 2;
+constexpr int64_t RECORD_Q4 = TILE_BYTES + 2 * NR * 2;  // q, then d and m (float16)
 // Rows that share one pass over a tile's weights.
 constexpr int64_t ROWS = 3;
 
@@ -84,11 +87,23 @@ extern "C" void pagoda_q8_quantize(const float* x, int8_t* xq, float* dx, float*
   }
 }
 
+// The n-th float16 value from p, as float32.
+static inline float f16_at(const uint8_t* p, int64_t n) {
+  _Float16 h;
+  std::memcpy(&h, p + 2 * n, sizeof(h));
+  return float(h);
+}
+
 #ifdef PAGODA_Q4_AVX2
 static inline int32_t load4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+// 8 float16 values (a record's scales) as float32.
+static inline __m256 load8_f16(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // A tile's R x 16 float32 sums, plus the bias, to y[r * N + 0..15] (both kernels below end so).
@@ -102,8 +117,8 @@ static void store_tile(const __m256 (&acc)[R][H], const float* bias, float* y, i
 
 // Rows [0, R) of xq (row stride K) against one tile (16 columns) of the packed weights; writes y[r * N + 0..15].
 template <int R>
-static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* wq,
-                      const float* wd, const float* wm, const float* bias, float* y, int64_t N) {
+static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
+                      const float* bias, float* y, int64_t N) {
   const int64_t nb = K / QK;
   const __m256i low = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -111,7 +126,7 @@ static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* qb = wq + b * TILE_BYTES;
+    const uint8_t* qb = w + b * RECORD_Q4;
     __m256i s[R][H];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < H; ++h) s[r][h] = _mm256_setzero_si256();
@@ -135,8 +150,8 @@ static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_
       }
     }
     for (int h = 0; h < H; ++h) {
-      const __m256 d = _mm256_loadu_ps(wd + b * NR + h * 8);
-      const __m256 m = _mm256_loadu_ps(wm + b * NR + h * 8);
+      const __m256 d = load8_f16(qb + TILE_BYTES + h * 16);
+      const __m256 m = load8_f16(qb + TILE_BYTES + 2 * NR + h * 16);
       for (int r = 0; r < R; ++r) {
         const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h], ones));
         acc[r][h] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r][h]);
@@ -148,13 +163,13 @@ static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_
 }
 #else
 template <int R>
-static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* wq,
-                      const float* wd, const float* wm, const float* bias, float* y, int64_t N) {
+static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
+                      const float* bias, float* y, int64_t N) {
   const int64_t nb = K / QK;
   for (int r = 0; r < R; ++r) {
     float acc[NR] = {};
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* qb = wq + b * TILE_BYTES;
+      const uint8_t* qb = w + b * RECORD_Q4;
       const int8_t* a = xq + r * K + b * QK;
       for (int64_t n = 0; n < NR; ++n) {
         const int64_t h = n / 8, c = n % 8;
@@ -165,7 +180,8 @@ static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_
             isum += int32_t(byte & 0x0f) * a[p * 4 + i] + int32_t(byte >> 4) * a[16 + p * 4 + i];
           }
         }
-        acc[n] += float(isum) * (wd[b * NR + n] * dx[r * nb + b]) + wm[b * NR + n] * sx[r * nb + b];
+        acc[n] += float(isum) * (f16_at(qb + TILE_BYTES, n) * dx[r * nb + b]) +
+                  f16_at(qb + TILE_BYTES + 2 * NR, n) * sx[r * nb + b];
       }
     }
     for (int64_t n = 0; n < NR; ++n) y[r * N + n] = acc[n] + (bias ? bias[n] : 0.0f);
@@ -175,22 +191,23 @@ static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_
 
 // Q8_0 weights (the default model's lm_head is Q8_0 in its file): w = d * q, q in -127..127, d float16, per
 // block of 32, packed like Q4_1 but a byte a weight: per (tile, block) 512 bytes, for k-group g in 0..7, half h,
-// column c, i in 0..3: q[k = 4g + i] of column 8h + c; d: (tile, block, 16 columns). `vpmaddubsw` wants one
+// column c, i in 0..3: q[k = 4g + i] of column 8h + c, then the 16 columns' d. `vpmaddubsw` wants one
 // operand unsigned: |q| against xq carrying q's sign (`vpsignb`). A pair is at most 2 * 127 * 127 = 32,258,
 // so each product goes to int32 at once (`vpmaddwd`), not summed in int16 as the 4-bit ones are.
 constexpr int64_t TILE_BYTES_Q8 = NR * QK;
+constexpr int64_t RECORD_Q8 = TILE_BYTES_Q8 + NR * 2;
 
 #ifdef PAGODA_Q4_AVX2
 template <int R>
-static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const int8_t* wq, const float* wd,
-                         const float* bias, float* y, int64_t N) {
+static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const uint8_t* w, const float* bias, float* y,
+                         int64_t N) {
   const int64_t nb = K / QK;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][H];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const int8_t* qb = wq + b * TILE_BYTES_Q8;
+    const auto* qb = reinterpret_cast<const int8_t*>(w + b * RECORD_Q8);
     __m256i s[R][H];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < H; ++h) s[r][h] = _mm256_setzero_si256();
@@ -207,7 +224,7 @@ static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const int
       }
     }
     for (int h = 0; h < H; ++h) {
-      const __m256 d = _mm256_loadu_ps(wd + b * NR + h * 8);
+      const __m256 d = load8_f16(w + b * RECORD_Q8 + TILE_BYTES_Q8 + h * 16);
       for (int r = 0; r < R; ++r)
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])),
                                     acc[r][h]);
@@ -217,20 +234,20 @@ static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const int
 }
 #else
 template <int R>
-static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const int8_t* wq, const float* wd,
-                         const float* bias, float* y, int64_t N) {
+static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const uint8_t* w, const float* bias, float* y,
+                         int64_t N) {
   const int64_t nb = K / QK;
   for (int r = 0; r < R; ++r) {
     float acc[NR] = {};
     for (int64_t b = 0; b < nb; ++b) {
-      const int8_t* qb = wq + b * TILE_BYTES_Q8;
+      const auto* qb = reinterpret_cast<const int8_t*>(w + b * RECORD_Q8);
       const int8_t* a = xq + r * K + b * QK;
       for (int64_t n = 0; n < NR; ++n) {
         const int64_t h = n / 8, c = n % 8;
         int32_t isum = 0;
         for (int g = 0; g < 8; ++g)
           for (int i = 0; i < 4; ++i) isum += int32_t(qb[(g * H + h) * 32 + c * 4 + i]) * a[g * 4 + i];
-        acc[n] += float(isum) * (wd[b * NR + n] * dx[r * nb + b]);
+        acc[n] += float(isum) * (f16_at(w + b * RECORD_Q8 + TILE_BYTES_Q8, n) * dx[r * nb + b]);
       }
     }
     for (int64_t n = 0; n < NR; ++n) y[r * N + n] = acc[n] + (bias ? bias[n] : 0.0f);
@@ -239,7 +256,7 @@ static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const int
 #endif
 
 // Runs tile(t, m, rows) for each tile t of NR columns and each group of rows (ROWS, then a tail of 1 or 2) from m.
-// Threads split the tiles; each runs all rows against its tile, whose weights (18 KiB of Q4_1 for K = 1,536) stay
+// Threads split the tiles; each runs all rows against its tile, whose weights (15 KiB of Q4_1 for K = 1,536) stay
 // in L1 while the rows stream past. Blocking the rows too (32-256 KiB of xq at a time, so that they stay in L2)
 // made no difference that the machine's drift did not swamp (ad hoc).
 template <typename Tile>
@@ -271,37 +288,30 @@ static Rounded round_into_scratch(const float* x, int64_t M, int64_t K) {
   return {xq.data(), scales.data(), scales.data() + blocks};
 }
 
-// A Q4_1 layer in one call: x (M, K) float32, wq (N / NR, K / QK, TILE_BYTES) uint8, wd and wm (N / NR, K / QK, NR)
-// float32, bias (N) float32 or null, y (M, N) float32; N a multiple of NR, K of QK. One call a layer, not one to
-// round and one to multiply with the rounded rows in tensors: 1.7-2.1x faster at 1 row (BENCHMARKS.md).
-extern "C" void pagoda_q4_linear(const float* x, const uint8_t* wq, const float* wd, const float* wm,
-                                 const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+// A Q4_1 layer in one call: x (M, K) float32, w (N / NR, K / QK, RECORD_Q4) bytes, bias (N) float32 or null, y
+// (M, N) float32; N a multiple of NR, K of QK. One call a layer, not one to round and one to multiply with the
+// rounded rows in tensors: 1.7-2.1x faster at 1 row (BENCHMARKS.md). The GEMV's signature (gemv.cpp): the
+// one-call one-stream forward (pagoda/model/one_stream.cpp) calls its linears through one function pointer.
+extern "C" void pagoda_q4_linear(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N,
+                                 int64_t K) {
   const int64_t nb = K / QK;
-  const Rounded a = round_into_scratch(x, M, K);
+  const Rounded a = round_into_scratch(static_cast<const float*>(x), M, K);
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const auto* bf = static_cast<const float*>(bias);
+  auto* yf = static_cast<float*>(y);
   for_each_tile(M, N, [&](int64_t t, int64_t m, auto rows) {
-    tile_rows<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, a.sx + m * nb, K, wq + t * nb * TILE_BYTES,
-                                     wd + t * nb * NR, wm + t * nb * NR, bias ? bias + t * NR : nullptr,
-                                     y + m * N + t * NR, N);
+    tile_rows<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, a.sx + m * nb, K, wb + t * nb * RECORD_Q4,
+                                     bf ? bf + t * NR : nullptr, yf + m * N + t * NR, N);
   });
 }
 
-// The Q8_0 layer, as pagoda_q4_linear: wq (N / NR, K / QK, TILE_BYTES_Q8) int8, wd (N / NR, K / QK, NR).
-extern "C" void pagoda_q8_linear(const float* x, const int8_t* wq, const float* wd, const float* bias, float* y,
-                                 int64_t M, int64_t N, int64_t K) {
+// The Q8_0 layer, as pagoda_q4_linear: w (N / NR, K / QK, RECORD_Q8) bytes.
+extern "C" void pagoda_q8_linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                                 int64_t K) {
   const int64_t nb = K / QK;
   const Rounded a = round_into_scratch(x, M, K);
   for_each_tile(M, N, [&](int64_t t, int64_t m, auto rows) {
-    tile_rows_q8<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, K, wq + t * nb * TILE_BYTES_Q8,
-                                        wd + t * nb * NR, bias ? bias + t * NR : nullptr, y + m * N + t * NR, N);
+    tile_rows_q8<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, K, w + t * nb * RECORD_Q8,
+                                        bias ? bias + t * NR : nullptr, y + m * N + t * NR, N);
   });
-}
-
-// pagoda_q4_linear with the GEMV's signature (gemv.cpp), for the one-call one-stream forward
-// (pagoda/model/one_stream.cpp), which calls its linears through one function pointer: w is the address of the
-// layer's three packed arrays (wq, wd, wm), which pagoda/layers/q4_linear.py keeps.
-extern "C" void pagoda_q4_linear_packed(const void* x, const void* w, const void* bias, void* y, int64_t M,
-                                        int64_t N, int64_t K) {
-  const auto* p = static_cast<const void* const*>(w);
-  pagoda_q4_linear(static_cast<const float*>(x), static_cast<const uint8_t*>(p[0]), static_cast<const float*>(p[1]),
-                   static_cast<const float*>(p[2]), static_cast<const float*>(bias), static_cast<float*>(y), M, N, K);
 }

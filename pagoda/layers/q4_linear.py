@@ -13,8 +13,11 @@ multiple of 16, float32 models only. The output projection (lm_head) gets Q8_0 w
 block of 32), against the same int8 activations: in the default model it is the token embedding, stored as Q8_0
 in the file (so again the file's own weights, bit for bit), and llama.cpp runs it so; 4 bits would add error
 where the file has none. The float32 copies of the decoder layers' weights are freed (the default model: 405
-MiB of float32 weights for 76 MiB packed); the lm_head's stays, as it is often the embedding's too (+34 MiB
+MiB of float32 weights for 63 MiB packed); the lm_head's stays, as it is often the embedding's too (+29 MiB
 packed).
+
+The packed weights keep the file's bytes a weight (0.625 for Q4_1, 1.0625 for Q8_0: d and m float16), in one
+record per 16 output columns and block of 32 (q, then the scales): a thread's tiles are one contiguous stream.
 """
 
 from __future__ import annotations
@@ -46,11 +49,9 @@ def q4_library(portable: bool = False) -> Any:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_q8_quantize.argtypes = [ptr] * 4 + [i64] * 2
     lib.pagoda_q8_quantize.restype = None
-    lib.pagoda_q4_linear.argtypes = [ptr] * 6 + [i64] * 3
+    lib.pagoda_q4_linear.argtypes = [ptr] * 4 + [i64] * 3
     lib.pagoda_q4_linear.restype = None
-    lib.pagoda_q4_linear_packed.argtypes = [ptr] * 4 + [i64] * 3
-    lib.pagoda_q4_linear_packed.restype = None
-    lib.pagoda_q8_linear.argtypes = [ptr] * 5 + [i64] * 3
+    lib.pagoda_q8_linear.argtypes = [ptr] * 4 + [i64] * 3
     lib.pagoda_q8_linear.restype = None
     return lib
 
@@ -77,9 +78,15 @@ def dequantize_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.
     return (d[..., None] * q.reshape(n, k // QK, QK).float() + m[..., None]).reshape(n, k)
 
 
-def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layout pagoda_q4_linear reads (q4_gemm.cpp): bytes (N / NR, K / QK, 256) and scales (N / NR, K / QK,
-    NR)."""
+def _scale_bytes(s: torch.Tensor, tiles: int, nb: int) -> torch.Tensor:
+    """(N, K / QK) float32 scales holding float16 values -> (N / NR, K / QK, 2 NR) bytes: each tile's NR columns'
+    float16 per block."""
+    return s.reshape(tiles, NR, nb).transpose(1, 2).contiguous().half().view(torch.uint8)
+
+
+def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The layout pagoda_q4_linear reads (q4_gemm.cpp): (N / NR, K / QK, 320) bytes, per tile and block the 256
+    bytes of q, then the tile's 16 d and 16 m as float16."""
     n, k = q.shape
     if n % NR:
         raise ValueError(f"the packed Q4_1 layout needs an output width that is a multiple of {NR}, got {n}")
@@ -87,8 +94,7 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.
     # q[n = 16 t + 8 h + c][k = 32 b + 16 nibble + 4 p + i] -> (t, b, p, h, c, i, nibble)
     g = q.reshape(tiles, NR // 8, 8, nb, 2, 4, 4).permute(0, 3, 5, 1, 2, 6, 4)
     packed = (g[..., 0] | (g[..., 1] << 4)).contiguous().reshape(tiles, nb, NR * QK // 2)
-    scales = [s.reshape(tiles, NR, nb).transpose(1, 2).contiguous() for s in (d, m)]
-    return packed, scales[0], scales[1]
+    return torch.cat([packed, _scale_bytes(d, tiles, nb), _scale_bytes(m, tiles, nb)], dim=-1)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,29 +113,28 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, k), d
 
 
-def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layout pagoda_q8_linear reads (q4_gemm.cpp): bytes (N / NR, K / QK, 512) and scales (N / NR, K / QK,
-    NR)."""
+def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The layout pagoda_q8_linear reads (q4_gemm.cpp): (N / NR, K / QK, 544) bytes, per tile and block the 512
+    bytes of q, then the tile's 16 d as float16."""
     n, k = q.shape
     if n % NR:
         raise ValueError(f"the packed Q8_0 layout needs an output width that is a multiple of {NR}, got {n}")
     tiles, nb = n // NR, k // QK
     # q[n = 16 t + 8 h + c][k = 32 b + 4 g + i] -> (t, b, g, h, c, i)
-    packed = q.reshape(tiles, NR // 8, 8, nb, 8, 4).permute(0, 3, 4, 1, 2, 5).contiguous()
-    return packed.reshape(tiles, nb, NR * QK), d.reshape(tiles, NR, nb).transpose(1, 2).contiguous()
+    packed = q.reshape(tiles, NR // 8, 8, nb, 8, 4).permute(0, 3, 4, 1, 2, 5).contiguous().view(torch.uint8)
+    return torch.cat([packed.reshape(tiles, nb, NR * QK), _scale_bytes(d, tiles, nb)], dim=-1)
 
 
 class _PackedLinear:
     """A linear layer's packed weights (Q4Linear, Q8Linear) and the forward that rounds its input and multiplies,
     in one C++ call (_run)."""
 
+    w: torch.Tensor  # the packed weights: one byte tensor, as the kernel reads it
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: Any) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.lib = lib
-
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
 
     def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
         raise NotImplementedError
@@ -138,7 +143,7 @@ class _PackedLinear:
         return None if self.bias is None else self.bias.data_ptr()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors())
+        return self.w.numel()  # bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -156,14 +161,11 @@ class Q8Linear(_PackedLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: Any) -> None:
         super().__init__(weight, bias, lib)
-        self.wq, self.wd = pack_q8_0(*quantize_q8_0(weight))
-
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.wq, self.wd
+        self.w = pack_q8_0(*quantize_q8_0(weight))
 
     def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.lib.pagoda_q8_linear(x.data_ptr(), self.wq.data_ptr(), self.wd.data_ptr(), self._bias_ptr(),
-                                  y.data_ptr(), x.shape[0], self.out_features, self.in_features)
+        self.lib.pagoda_q8_linear(x.data_ptr(), self.w.data_ptr(), self._bias_ptr(), y.data_ptr(), x.shape[0],
+                                  self.out_features, self.in_features)
 
 
 class Q4Linear(_PackedLinear):
@@ -171,16 +173,11 @@ class Q4Linear(_PackedLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: Any) -> None:
         super().__init__(weight, bias, lib)
-        self.wq, self.wd, self.wm = pack_q4_1(*quantize_q4_1(weight))
-        # the weights' three addresses, what pagoda_q4_linear_packed takes as its weight (the one-stream forward)
-        self.packed = (ctypes.c_void_p * 3)(self.wq.data_ptr(), self.wd.data_ptr(), self.wm.data_ptr())
-
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.wq, self.wd, self.wm
+        self.w = pack_q4_1(*quantize_q4_1(weight))
 
     def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.lib.pagoda_q4_linear(x.data_ptr(), self.wq.data_ptr(), self.wd.data_ptr(), self.wm.data_ptr(),
-                                  self._bias_ptr(), y.data_ptr(), x.shape[0], self.out_features, self.in_features)
+        self.lib.pagoda_q4_linear(x.data_ptr(), self.w.data_ptr(), self._bias_ptr(), y.data_ptr(), x.shape[0],
+                                  self.out_features, self.in_features)
 
 
 def quantizable(layer: nn.Linear) -> bool:

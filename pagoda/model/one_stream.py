@@ -9,8 +9,8 @@ preallocated scratch buffers, so a step is one call. Its output is the eager for
 kernels, same order, same arguments.
 
 Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 or float32 model
-whose linears have the GEMV (or, with `--quantization q4_1`, all run the Q4_1 kernel, through its entry point
-with the GEMV's signature), the fused elementwise ops, the cpp attention backend's kernel for a cache of the
+whose linears have the GEMV (or, with `--quantization q4_1`, all run the Q4_1 kernel, which has the GEMV's
+signature), the fused elementwise ops, the cpp attention backend's kernel for a cache of the
 model's dtype (not quantized), and no per-head q/k norm (Qwen3). Otherwise the model keeps its eager forward
 (logged).
 `--compile-model` has its own one-stream graph instead.
@@ -62,7 +62,7 @@ class OneStreamForward:
         attention = _attention_library(kv_caches[0], cfg.num_heads)
         dtype = self._dtype = model.model.embed_tokens.weight.dtype
         q4 = q4_of(first_attn.qkv_proj)  # if it runs the Q4_1 kernel, all do (_unsupported)
-        linear_fn = q4.lib.pagoda_q4_linear_packed if q4 is not None else gemv_function(_gemv_library(), dtype)
+        linear_fn = q4.lib.pagoda_q4_linear if q4 is not None else gemv_function(_gemv_library(), dtype)
         fns = [linear_fn, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
                elementwise.pagoda_silu_mul, attention.pagoda_write_kv, attention.pagoda_paged_decode]
         self._fns = (ctypes.c_void_p * len(fns))(*[_address(f) for f in fns])
@@ -70,9 +70,9 @@ class OneStreamForward:
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
-        def weight(linear: nn.Linear) -> int | None:  # a Q4_1 layer's three packed arrays, as one address
+        def weight(linear: nn.Linear) -> int | None:  # a Q4_1 layer's packed weights
             packed = q4_of(linear)
-            return ctypes.addressof(packed.packed) if packed is not None else ptr(linear.weight)
+            return ptr(packed.w if packed is not None else linear.weight)
 
         def bias(linear: nn.Linear) -> int | None:  # the bias the layer's forward adds
             packed = q4_of(linear)
