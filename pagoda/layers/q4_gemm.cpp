@@ -22,11 +22,20 @@
 // needs. Then the 16 columns' d, then their m, float16.
 //
 // Compiled at start-up by pagoda/layers/q4_linear.py (through pagoda/layers/cpp_build.py), after cpp_vector.h.
-// Without AVX2 (or with PAGODA_PORTABLE) the same sums run in plain C++ (much slower; tests compare the two).
+// Without AVX2 and F16C (or with PAGODA_PORTABLE) the same sums run in plain C++ (much slower; tests compare the two).
 
-#if defined(__AVX2__) && !defined(PAGODA_PORTABLE)
+#if defined(__AVX2__) && defined(__F16C__) && !defined(PAGODA_PORTABLE)  // F16C: the scales
 #define PAGODA_Q4_AVX2 1
 #endif
+
+// 1 if this build runs the AVX2 kernels, 0 for the plain C++ ones (pagoda/layers/q4_linear.py warns then).
+extern "C" int pagoda_q4_vectorized() {
+#ifdef PAGODA_Q4_AVX2
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 #include <type_traits>
 #include <vector>

@@ -53,6 +53,7 @@ def q4_library(portable: bool = False) -> Any:
     lib.pagoda_q4_linear.restype = None
     lib.pagoda_q8_linear.argtypes = [ptr] * 4 + [i64] * 3
     lib.pagoda_q8_linear.restype = None
+    lib.pagoda_q4_vectorized.restype = ctypes.c_int
     return lib
 
 
@@ -191,9 +192,9 @@ def quantize_linears(model: nn.Module, portable: bool = False) -> tuple[int, int
     compiled: the user asked for this format, and a silent float32 fallback would report the wrong numbers."""
     start = time.perf_counter()
     lib = q4_library(portable)
-    if portable or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        logger.warning("quantization q4_1: this CPU has no AVX2 (or the portable build was asked for); the Q4_1 "
-                       "kernel runs as plain C++, far slower than float32 matmuls")
+    if not lib.pagoda_q4_vectorized():
+        logger.warning("quantization q4_1: this CPU has no AVX2 and F16C (or the portable build was asked for); "
+                       "the Q4_1 kernel runs as plain C++, far slower than float32 matmuls")
     count, total = 0, 0
     for name, layer in list(model.named_modules()):
         if not isinstance(layer, nn.Linear) or not quantizable(layer):

@@ -4,6 +4,8 @@ exactly."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -164,3 +166,21 @@ def test_quantize_linears_frees_the_float_weights_and_other_paths_leave_them_alo
     for layer, out in zip((model.block[0], model.lm_head), before, strict=True):
         assert not linear.is_packed(layer) and getattr(layer, "_pagoda_gemv", None) is None
         assert torch.equal(layer(x), out)
+
+
+def test_the_build_says_which_kernels_it_runs(caplog: pytest.LogCaptureFixture) -> None:
+    """The portable build runs the plain C++ sums and quantize_linears warns about it; on a CPU with AVX2 and
+    F16C the default build runs the vector kernels (the tests above compare the two)."""
+    assert q4_library_flag(portable=True) == 0
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    if "avx2" in flags and "f16c" in flags:
+        assert q4_library_flag(portable=False) == 1
+    model = nn.Sequential(nn.Linear(64, 32))
+    with caplog.at_level("WARNING", logger="pagoda.layers.q4_linear"):
+        q4_linear.quantize_linears(model, portable=True)
+    assert any("plain C++" in r.getMessage() for r in caplog.records)
+
+
+def q4_library_flag(portable: bool) -> int:
+    return int(q4_linear.q4_library(portable).pagoda_q4_vectorized())
