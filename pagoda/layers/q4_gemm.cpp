@@ -2,10 +2,10 @@
 // CPU: y (M, N) = x (M, K) @ w^T (+ bias), with w in Q4_1 blocks and x quantized per block as the layer runs.
 //
 // Along K, weights and activations come in blocks of QK = 32. A weight block (one output column, 32 k) holds
-// w = d * q + m: q in 0..15 (4 bits), d and m float16. An activation block holds
-// x ~ dx * xq: xq in -127..127 with dx = max |x| / 127, and sx, the exact float sum of the block's x. A block's
-// product is then sum(w x) ~ d * dx * sum(q xq) + m * sx: the only rounding is xq's (a relative error up to
-// 1/254 of the block's largest |x|); sum(q xq) is an exact integer.
+// w = d * q + m: q in 0..15 (4 bits), d and m float16. An activation block holds x ~ dx * xq: xq in -127..127
+// with dx = max |x| / 127, and sx, the exact float sum of the block's x. A block's product is then sum(w x) ~
+// d * dx * sum(q xq) + m * sx: the only rounding is xq's (a relative error up to 1/254 of the block's largest
+// |x|); sum(q xq) is an exact integer.
 //
 // Why: on AVX2, `vpmaddubsw` multiplies 32 pairs of bytes (q unsigned, xq signed) and adds neighbours into 16
 // int16 lanes in one instruction, where an FMA does 8 float32 multiply-adds; the weights take 0.625 bytes
@@ -22,11 +22,15 @@
 // needs. Then the 16 columns' d, then their m, float16.
 //
 // Compiled at start-up by pagoda/layers/q4_linear.py (through pagoda/layers/cpp_build.py), after cpp_vector.h.
-// Without AVX2 and F16C (or with PAGODA_PORTABLE) the same sums run in plain C++ (much slower; tests compare the two).
+// Without AVX2 and F16C (or with PAGODA_PORTABLE) the same sums run in plain C++ (much slower; tests compare
+// the two).
 
 #if defined(__AVX2__) && defined(__F16C__) && !defined(PAGODA_PORTABLE)  // F16C: the scales
 #define PAGODA_Q4_AVX2 1
 #endif
+
+#include <type_traits>
+#include <vector>
 
 // 1 if this build runs the AVX2 kernels, 0 for the plain C++ ones (pagoda/layers/q4_linear.py warns then).
 extern "C" int pagoda_q4_vectorized() {
@@ -36,9 +40,6 @@ extern "C" int pagoda_q4_vectorized() {
   return 0;
 #endif
 }
-
-#include <type_traits>
-#include <vector>
 
 constexpr int64_t QK = 32;
 // Output columns per tile: H vectors of 8. With ROWS rows, a k-group's 2 x ROWS broadcast activations, ROWS x H
