@@ -128,20 +128,21 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 class _PackedLinear:
     """A linear layer's packed weights (Q4Linear, Q8Linear) and the forward that rounds its input and multiplies,
-    in one C++ call (_run)."""
+    in one C++ call. Subclasses name how to pack (`_pack`: float weight -> bytes) and the kernel that reads the
+    bytes (`_kernel`: both take x, w, bias, y, M, N, K)."""
 
-    w: torch.Tensor  # the packed weights: one byte tensor, as the kernel reads it
+    _kernel: str
+
+    @staticmethod
+    def _pack(weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: Any) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.w = self._pack(weight)  # one byte tensor, as the kernel reads it
+        self._fn = getattr(lib, self._kernel)
         self.lib = lib
-
-    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def _bias_ptr(self) -> int | None:
-        return None if self.bias is None else self.bias.data_ptr()
 
     def nbytes(self) -> int:
         return self.w.numel()  # bytes
@@ -153,32 +154,29 @@ class _PackedLinear:
             x2 = x2.float().contiguous()
         y = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
         if x2.shape[0]:
-            self._run(x2, y)
+            self._fn(x2.data_ptr(), self.w.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
+                     y.data_ptr(), x2.shape[0], self.out_features, self.in_features)
         return y.reshape(*shape[:-1], self.out_features)
 
 
 class Q8Linear(_PackedLinear):
     """Q8_0 weights (the lm_head's) against int8 activations."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: Any) -> None:
-        super().__init__(weight, bias, lib)
-        self.w = pack_q8_0(*quantize_q8_0(weight))
+    _kernel = "pagoda_q8_linear"
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.lib.pagoda_q8_linear(x.data_ptr(), self.w.data_ptr(), self._bias_ptr(), y.data_ptr(), x.shape[0],
-                                  self.out_features, self.in_features)
+    @staticmethod
+    def _pack(weight: torch.Tensor) -> torch.Tensor:
+        return pack_q8_0(*quantize_q8_0(weight))
 
 
 class Q4Linear(_PackedLinear):
     """Q4_1 weights against int8 activations."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: Any) -> None:
-        super().__init__(weight, bias, lib)
-        self.w = pack_q4_1(*quantize_q4_1(weight))
+    _kernel = "pagoda_q4_linear"
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.lib.pagoda_q4_linear(x.data_ptr(), self.w.data_ptr(), self._bias_ptr(), y.data_ptr(), x.shape[0],
-                                  self.out_features, self.in_features)
+    @staticmethod
+    def _pack(weight: torch.Tensor) -> torch.Tensor:
+        return pack_q4_1(*quantize_q4_1(weight))
 
 
 def quantizable(layer: nn.Linear) -> bool:
