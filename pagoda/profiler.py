@@ -1,9 +1,12 @@
 """Step-time breakdown (`--profile`): where each engine step's wall time goes.
 
-Phases of a step (schedule, input preparation, forward, sampling, scheduler update, output
-processing) are timed around their calls; inside the forward pass, forward hooks time the modules
-by kind (attention and MLP blocks, their linear layers, norms, embedding, lm_head). Off unless
-asked for: the engine then uses `NULL_PROFILER`, whose phases cost one no-op context manager.
+Phases of a step (schedule, input preparation, forward, logits, sampling, scheduler update, output
+processing) are timed around their calls, and do not overlap: "logits" (the lm_head, computed for the rows that
+sample) is reported apart from "sampling", which then holds the sampler and its bookkeeping alone. Inside the
+forward pass, forward hooks time the modules by kind (attention and MLP blocks, their linear layers, norms,
+embedding). A step that one sequence's decode runs as one C++ call (pagoda/model/one_stream.py) runs no hooks:
+its forward is "forward/one_call", so the by-kind rows cover the other steps only. Off unless asked for: the
+engine then uses `NULL_PROFILER`, whose phases cost one no-op context manager.
 """
 
 from __future__ import annotations
@@ -49,8 +52,11 @@ class StepProfiler:
         return hook
 
     def report(self) -> dict[str, dict[str, float]]:
-        """Per phase: ms per step and share of the step. Derived: attention and MLP without their linears."""
+        """Per phase: ms per step and share of the step. Derived: attention and MLP without their linears, and
+        sampling without the logits."""
         t = dict(self.totals)
+        if "sampling" in t:
+            t["sampling"] -= t.get("logits", 0.0)
         t["forward/attention_core"] = t.get("forward/attention", 0.0) - t.get("forward/attention_linear", 0.0)
         t["forward/mlp_activation"] = t.get("forward/mlp", 0.0) - t.get("forward/mlp_linear", 0.0)
         step = t.get("step", 0.0) or 1e-12
@@ -66,7 +72,7 @@ def _kind(name: str, module: nn.Module) -> str | None:
         return "mlp"
     if isinstance(module, nn.Linear):
         if name == "lm_head":
-            return "lm_head"
+            return None  # the "logits" phase times it, outside the forward
         return "attention_linear" if ".self_attn." in name else "mlp_linear"
     if cls == "RMSNorm":
         return "norm"

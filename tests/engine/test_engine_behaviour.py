@@ -163,12 +163,15 @@ def test_profile_breaks_a_step_down_by_phase_and_module(model_dir: Path) -> None
     prof = prof_llm.engine.enable_profiling()
     prof_llm.generate([[1] * 40, [2] * 7], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     report = prof.report()
-    for phase in ("step", "schedule", "execute", "prepare_inputs", "forward", "sampling", "update",
-                  "output_processing", "forward/attention", "forward/mlp_linear", "forward/lm_head"):
+    for phase in ("step", "schedule", "execute", "prepare_inputs", "forward", "logits", "sampling", "update",
+                  "output_processing", "forward/attention", "forward/mlp_linear"):
         assert report[phase]["ms_per_step"] > 0, phase
+    assert "forward/lm_head" not in report  # the lm_head is the logits phase, outside the forward
     assert prof.counts["step"] == prof_llm.get_metrics()["num_steps"]
     parts = sum(report[p]["share"] for p in ("schedule", "execute", "update", "output_processing"))
     assert 0.5 < parts <= 1.0 + 1e-9  # the phases are inside the step and do not overlap
+    inside = sum(report[p]["share"] for p in ("prepare_inputs", "forward", "logits", "sampling"))
+    assert 0.5 * report["execute"]["share"] < inside <= report["execute"]["share"] + 1e-9
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])

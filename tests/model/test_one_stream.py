@@ -98,3 +98,19 @@ def test_applies_to_one_decode_only() -> None:
     prompt = build_attention_metadata([([0, 1], 0, 20)], 16)
     assert OneStreamForward.applies(one)
     assert not OneStreamForward.applies(two) and not OneStreamForward.applies(prompt)
+
+
+def test_profile_times_one_call_steps_apart(tiny_model: tuple[str, Path]) -> None:
+    """`--profile`: one-call steps run no module hooks, so their forward is its own row (forward/one_call), and the
+    by-kind rows hold only the other steps."""
+    arch, folder = tiny_model
+    if arch == "qwen3":
+        return  # no one-call forward (per-head q/k norms)
+    llm = LLM(str(folder), dtype="float32", attention_backend="cpp")
+    prof = llm.engine.enable_profiling()
+    llm.generate([_prompts()[4]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert prof.counts["forward/one_call"] == 11  # each decode step; the prompt step runs the eager forward
+    assert prof.counts["forward"] == 12
+    report = prof.report()
+    assert 0 < report["forward/one_call"]["ms_per_step"] <= report["forward"]["ms_per_step"]
+    assert report["forward/attention"]["ms_per_step"] > 0  # the prompt step's
