@@ -4,6 +4,13 @@ o, fused gate/up, down) and the given row counts. The two alternate call by call
 machine; medians over --iters calls.
 
     python -m pagoda.bench.q4_linear --rows 1,4,16,128,512,2048
+
+`--layers N`: one stream's decode instead, from memory: N layers of the four shapes (N = 30: the default model's
+66 MB), called in turn at one row as a step calls them, against reading a buffer of their bytes (torch's sum: the
+bandwidth floor) and, with `--versus-rev REV`, against the kernel as of git revision REV; alternated call
+sequence by call sequence, medians over --iters sequences.
+
+    python -m pagoda.bench.q4_linear --layers 30 --versus-rev HEAD~1
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +49,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rows", default="1,4,16,128,512,2048")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--layers", type=int, default=None, help="time one stream's calls over this many layers")
+    p.add_argument("--versus-rev", default=None, metavar="REV", help="with --layers: the kernel at git revision REV")
     args = p.parse_args()
+    if args.versus_rev is not None and args.layers is None:
+        p.error("--versus-rev needs --layers")
+    if args.layers is not None:
+        print(json.dumps(_one_stream(args.layers, args.iters, args.versus_rev) | {"machine": machine_info()}))
+        return
     lib = q4_library()
     g = torch.Generator().manual_seed(0)
     results = []
@@ -58,6 +73,37 @@ def main() -> None:
                             "float32_gflops": round(2 * macs / us["float32"] / 1e3, 1),
                             "q4_1_gflops_equivalent": round(2 * macs / us["q4_1"] / 1e3, 1)})
     print(json.dumps({"results": results, "machine": machine_info()}))
+
+
+def _one_stream(num_layers: int, iters: int, rev: str | None) -> dict[str, object]:
+    """ms per sequence of one-row calls over num_layers layers of SHAPES (and per read of their bytes)."""
+    lib = q4_library()
+    g = torch.Generator().manual_seed(0)
+    layers = [Q4Linear(torch.randn(n, k, generator=g) * 0.05, None, lib) for _ in range(num_layers) for k, n in SHAPES]
+    nbytes = sum(layer.nbytes() for layer in layers)
+    xs = {k: torch.randn(1, k, generator=g) for k, _ in SHAPES}
+    ys = {n: torch.empty(1, n) for _, n in SHAPES}
+    buffer = torch.empty(nbytes // 4).normal_(generator=g)
+
+    def calls(kernel: Any) -> Callable[[], None]:
+        args = [(xs[layer.in_features].data_ptr(), layer.w.data_ptr(), ys[layer.out_features].data_ptr(),
+                 layer.out_features, layer.in_features) for layer in layers]
+
+        def run() -> None:
+            for x, w, y, n, k in args:
+                kernel(x, w, None, y, 1, n, k)
+        return run
+
+    sides: dict[str, Callable[[], object]] = {"q4_1": calls(lib.pagoda_q4_linear), "weights_read": buffer.sum}
+    if rev is not None:
+        sides["versus_rev"] = calls(q4_library(rev=rev).pagoda_q4_linear)
+    ms = {k: v / 1e3 for k, v in _median_us(sides, iters).items()}
+    out: dict[str, object] = {"layers": num_layers, "weight_bytes": nbytes,
+                              **{f"{k}_ms": round(v, 3) for k, v in ms.items()},
+                              "q4_1_over_read": round(ms["q4_1"] / ms["weights_read"], 3)}
+    if rev is not None:
+        out |= {"versus_rev": rev, "versus_over_q4_1": round(ms["versus_rev"] / ms["q4_1"], 3)}
+    return out
 
 
 if __name__ == "__main__":

@@ -43,9 +43,10 @@ _SOURCE = Path(__file__).with_name("q4_gemm.cpp")
 
 
 @functools.cache
-def q4_library(portable: bool = False) -> Any:
-    """The compiled kernels; portable: the plain C++ sums, without AVX2 intrinsics (tests compare the two)."""
-    lib = load_library(_SOURCE, {"PORTABLE": 1} if portable else {})
+def q4_library(portable: bool = False, rev: str | None = None) -> Any:
+    """The compiled kernels; portable: the plain C++ sums, without AVX2 intrinsics (tests compare the two); rev:
+    the kernels as of that git revision (`bench.q4_linear --versus-rev`)."""
+    lib = load_library(_SOURCE, {"PORTABLE": 1} if portable else {}, rev=rev)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_q8_quantize.argtypes = [ptr] * 4 + [i64] * 2
     lib.pagoda_q8_quantize.restype = None

@@ -241,3 +241,17 @@ def test_q4_linear_bench_times_both_sides_at_every_shape(capsys: pytest.CaptureF
     results = rows[0]["results"]
     assert [(r["in"], r["out"], r["rows"]) for r in results] == [(k, n, m) for k, n in SHAPES for m in (1, 5)]
     assert all(r["float32_us"] > 0 and r["q4_1_us"] > 0 for r in results)
+
+
+def test_q4_linear_bench_one_stream_layers_against_the_read_and_a_revision(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """--layers: one-row calls over that many layers' weights, against reading their bytes and (--versus-rev) the
+    kernel built from its source at HEAD (read through git)."""
+    from pagoda.bench.q4_linear import SHAPES, main
+
+    (row,) = run_module(main, ["--layers", "2", "--iters", "1", "--versus-rev", "HEAD"], capsys, monkeypatch)
+    assert row["layers"] == 2 and row["weight_bytes"] == 2 * sum(k * n * 5 // 8 for k, n in SHAPES)
+    assert row["q4_1_ms"] > 0 and row["weights_read_ms"] > 0 and row["versus_rev_ms"] > 0
+    assert row["versus_rev"] == "HEAD"
+    with pytest.raises(SystemExit):
+        run_module(main, ["--versus-rev", "HEAD"], capsys, monkeypatch)
