@@ -1,8 +1,8 @@
 """Step-time breakdown (`--profile`): where each engine step's wall time goes.
 
 Phases of a step (schedule, input preparation, forward, logits, sampling, scheduler update, output
-processing) are timed around their calls, and do not overlap: "logits" (the lm_head, computed for the rows that
-sample) is reported apart from "sampling", which then holds the sampler and its bookkeeping alone. Inside the
+processing) are timed around their calls, and do not overlap: "logits" (the lm_head, for the rows that sample
+or score prompt tokens) is reported apart from "sampling", which then holds the sampler and its bookkeeping. Inside the
 forward pass, forward hooks time the modules by kind (attention and MLP blocks, their linear layers, norms,
 embedding). A step that one sequence's decode runs as one C++ call (pagoda/model/one_stream.py) runs no hooks:
 its forward is "forward/one_call", so the by-kind rows cover the other steps only. Off unless asked for: the
