@@ -36,12 +36,17 @@ class StepProfiler:
             self.counts[name] += 1
 
     def attach(self, model: nn.Module) -> None:
-        """Time modules by kind with forward hooks (leaves timed inside their blocks too)."""
+        """Time modules by kind with forward hooks (leaves timed inside their blocks too), and the model's
+        one-call one-stream forward, which runs no hooks, as forward/one_call."""
         for name, module in model.named_modules():
             kind = _kind(name, module)
             if kind is not None:
                 module.register_forward_pre_hook(self._pre)
                 module.register_forward_hook(self._post(kind))
+        one_call = getattr(model, "one_stream_forward", None)
+        if one_call is not None:
+            model.one_stream_forward = _TimedOneCall(one_call, self)  # type: ignore[assignment]
+
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         self._starts[id(module)] = time.perf_counter()
@@ -62,6 +67,22 @@ class StepProfiler:
         step = t.get("step", 0.0) or 1e-12
         n = max(self.counts.get("step", 0), 1)
         return {k: {"ms_per_step": 1000 * v / n, "share": v / step} for k, v in sorted(t.items())}
+
+
+class _TimedOneCall:
+    """The model's one-call forward (pagoda/model/one_stream.py), timed as forward/one_call in the steps it takes
+    (it returns None for the others, which run the eager forward and its hooks)."""
+
+    def __init__(self, inner: Any, profiler: StepProfiler) -> None:
+        self.inner, self.profiler = inner, profiler
+
+    def __call__(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        out = self.inner(*args)
+        if out is not None:
+            self.profiler.totals["forward/one_call"] += time.perf_counter() - start
+            self.profiler.counts["forward/one_call"] += 1
+        return out
 
 
 def _kind(name: str, module: nn.Module) -> str | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +11,6 @@ from pagoda.layers.attention import AttentionMetadata
 from pagoda.layers.attention.backend import PagedKVCache, build_attention_metadata
 from pagoda.layers.sampler import Sampler, SamplingRow, prompt_logprobs
 from pagoda.model.llama import LlamaForCausalLM
-from pagoda.model.one_stream import OneStreamForward
 from pagoda.profiler import NULL_PROFILER, StepProfiler
 from pagoda.worker.offload import OffloadStore
 
@@ -60,20 +58,10 @@ class ModelRunner:
         prof = self.profiler
         with prof.phase("prepare_inputs"):
             inputs = self.prepare(sched)
-        # one sequence's decode in one C++ call runs no module hooks: its time is named apart
-        one_call = prof.phase("forward/one_call") if prof is not NULL_PROFILER and self._one_call(inputs.meta) \
-            else nullcontext()
-        with prof.phase("forward"), one_call:
+        with prof.phase("forward"):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         with prof.phase("sampling"):
             return self._sample(sched, inputs, hidden)
-
-    def _one_call(self, meta: AttentionMetadata) -> bool:
-        """Whether the model hands this step to its one-call one-stream forward (LlamaForCausalLM.forward; the
-        call still declines a context longer than its work buffer was sized for, and the step then runs eagerly)."""
-        model = self.model
-        return model.one_stream_forward is not None and model.compiled_one_stream is None and \
-            OneStreamForward.applies(meta)
 
     def _sample(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
