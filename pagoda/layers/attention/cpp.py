@@ -33,8 +33,8 @@ _SCALES = {None: 0, "token": 1, "block": 2}
 # Work items per thread the kernel is given at least: sequences are cut into spans of blocks until there
 # are this many items per thread (few, long sequences), so that the dynamic schedule can balance them.
 _ITEMS_PER_THREAD = 4
-# Blocks ahead of the one being read whose K and V the kernel prefetches (0: none; cpp_kernel.cpp), for
-# caches of elements of at most PREFETCH_MAX_ELEMENT_BYTES. Issued in one burst at the start of a block,
+# 1: the kernel prefetches K and V one block ahead of its reads (0: not; cpp_kernel.cpp), for caches of
+# elements of at most PREFETCH_MAX_ELEMENT_BYTES. Issued in one burst at the start of a block,
 # the prefetches made 128-request decode steps 1.075x faster in bfloat16 and 1.035x with an int8 cache,
 # but float32 ones 1.02x slower; spread through the block's work, they make float32 steps 1.01-1.07x
 # faster too, and bfloat16 ones 1.15-1.19x (`python -m pagoda.bench.decode_step --versus no-prefetch`,

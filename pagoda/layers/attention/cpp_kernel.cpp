@@ -8,7 +8,7 @@
 //   PAGODA_HKV, PAGODA_G (query heads per KV head), PAGODA_D (head_dim), PAGODA_BS (block_size),
 //   PAGODA_ELEM: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 fp8 (e4m3),
 //   PAGODA_SCALES: 0 none, 1 a float16 scale per (token, KV head), 2 per (block, KV head);
-//   PAGODA_PREFETCH_AHEAD: how many blocks ahead to prefetch K and V (Prefetcher);
+//   PAGODA_PREFETCH_AHEAD: 1 to prefetch K and V one block ahead of the reads, 0 not to (Prefetcher);
 //   PAGODA_PORTABLE (optional): no AVX-512 intrinsics even where the compiler targets AVX-512 (tests use
 //   it to check the code other CPUs run).
 //
@@ -87,16 +87,22 @@ static inline vf load16(const elem_t* p, const float* table) {
 }
 #endif
 
-// Ask for the K and V of the blocks PAGODA_PREFETCH_AHEAD steps (of CB blocks, below) ahead before they are
-// needed (0: never). A block's K and V are each one contiguous run (HKV * D * BS elements), but consecutive
-// blocks of a sequence lie anywhere in the cache, so the hardware prefetcher, which follows addresses, cannot
-// fetch the next ones while these are computed. The prefetches are spread over the step's work,
-// PREFETCH_PER_STEP at each step of its K and V loops: issued in one burst at the start of a block, they waited
-// for the core's few line-fill buffers and held up the block's own loads (float32 decode steps were then slower
-// with them than without). With one block per step, two blocks ahead was slower than one. They fetch into L2
-// (prefetcht1): 1.02-1.05x faster than into L1 in four alternated runs of `bench.decode_attention --layers 30
-// --versus-rev`. The scales (float16, a few bytes a block) are left to the hardware. cpp.py chooses the
-// distance; BENCHMARKS.md has the measurements.
+// Ask for K and V before the loops read them (PAGODA_PREFETCH_AHEAD 1; 0: never). A block's K and V are each one
+// contiguous run (HKV * D * BS elements), but consecutive blocks of a sequence lie anywhere in the cache, so the
+// hardware prefetcher, which follows addresses within a page, cannot fetch the next ones while these are
+// computed; and the loops, which load each line several times from L1 (a memory operand per multiply-add), keep
+// too few of their own misses in flight to hide L3's latency, let alone memory's. So each step of CB blocks
+// (below) prefetches, in the order the loops read them, its other blocks' K, its blocks' V and the next step's
+// first K: one block ahead of the reads, whatever the span's length. A span's first K is not prefetched. At the
+// start of a step one line of each 4 KB page of those runs is asked for, so that the page walks (every block is a
+// new page) overlap. The rest is spread over the step's work, PREFETCH_PER_STEP at each step of its K and V loops:
+// in one burst at the start of a block, the prefetches waited for the core's few line-fill buffers and held up
+// the block's own loads; two more a step were 0.85x as fast. They fetch into L2 (prefetcht1; into L1 was the same).
+// One sequence of 300-1,200 tokens with 30 layers' caches: 1.1-1.2x faster from memory (blocks in random order),
+// 1.6x from L3, than prefetching the next step's blocks only (which a span of one step, 300 tokens cut into 7
+// spans, never did); `bench.decode_attention --num-seqs 1 --layers 30 --versus-rev`, BENCHMARKS.md. The scales
+// (float16, a few bytes a block) are left to the hardware.
+static_assert(PAGODA_PREFETCH_AHEAD == 0 || PAGODA_PREFETCH_AHEAD == 1, "prefetching is on (1) or off (0)");
 constexpr int64_t PREFETCH_AHEAD = PAGODA_PREFETCH_AHEAD;
 // Blocks whose scores go through one online-softmax update, 64 tokens' worth: the update (a maximum and a
 // sum across lanes, two exponentials, a rescale of the output) is a chain of dependent instructions per
@@ -107,21 +113,23 @@ constexpr int64_t CB = BS >= 64 ? 1 : 64 / BS;
 constexpr int64_t LINES = HKV * D * BS * int64_t(sizeof(elem_t)) / 64;  // of one block's K (or V)
 constexpr int64_t PREFETCH_STEPS = HKV * (D / DS) + HKV * BS;         // of one block's K and V loops
 constexpr int64_t PREFETCH_PER_STEP = (2 * LINES + PREFETCH_STEPS - 1) / PREFETCH_STEPS;
-// Prefetches the K and V lines of up to CB blocks, PREFETCH_PER_STEP lines at each step() (block by block,
-// K's lines then V's). Each block's K and V are one run of LINES lines each: step() walks a pointer through the
-// runs, a compare and an add per line (an index into the runs cost a multiply and a dozen more instructions
-// per line, as many as the vector work of a K step).
+// Prefetches a step's runs (above), PREFETCH_PER_STEP lines at each step(). Each block's K and V are one run of
+// LINES lines each: step() walks a pointer through the runs, a compare and an add per line (an index into the
+// runs cost a multiply and a dozen more instructions per line, as many as the vector work of a K step).
 struct Prefetcher {
-  const char* run[2 * CB] = {};  // K's and V's of each block, in order
+  const char* run[2 * CB] = {};  // in the order the step reads them
   int64_t runs = 0, next = 0;     // runs, and the next one to start
   const char* line = nullptr;     // the next line, in [line, end) of the current run
   const char* end = nullptr;
-  void start(const elem_t* kc, const elem_t* vc, const int64_t* blocks, int64_t n) {
-    for (int64_t c = 0; c < n; ++c) {
-      run[2 * c] = reinterpret_cast<const char*>(kc + blocks[c] * HKV * D * BS);
-      run[2 * c + 1] = reinterpret_cast<const char*>(vc + blocks[c] * BS * HKV * D);
+  // The step's n blocks; more: the span has a block after them.
+  void start(const elem_t* kc, const elem_t* vc, const int64_t* blocks, int64_t n, bool more) {
+    runs = 0;
+    for (int64_t c = 1; c < n; ++c) run[runs++] = reinterpret_cast<const char*>(kc + blocks[c] * HKV * D * BS);
+    for (int64_t c = 0; c < n; ++c) run[runs++] = reinterpret_cast<const char*>(vc + blocks[c] * BS * HKV * D);
+    if (more) run[runs++] = reinterpret_cast<const char*>(kc + blocks[n] * HKV * D * BS);
+    for (int64_t r = 0; r < runs; ++r) {
+      for (int64_t b = 0; b < LINES * 64; b += 4096) __builtin_prefetch(run[r] + b, 0, 2);
     }
-    runs = 2 * n;
     next = 0;
     line = end = nullptr;
   }
@@ -177,9 +185,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
     const int64_t nb = std::min<int64_t>(CB, j1 - j);  // blocks in this step
     const int64_t ntok = std::min<int64_t>(nb * BS, len - j * BS);  // their tokens (the last may be partial)
     Prefetcher pf;
-    if (prefetch && j + CB * PREFETCH_AHEAD < j1) {
-      pf.start(k, v, blocks + j + CB * PREFETCH_AHEAD, std::min<int64_t>(CB, j1 - j - CB * PREFETCH_AHEAD));
-    }
+    if (prefetch) pf.start(k, v, blocks + j, nb, j + nb < j1);
     for (int64_t c = 0; c < nb; ++c) {
       const int64_t block = blocks[j + c];
       for (int64_t h = 0; h < HKV; ++h) {
