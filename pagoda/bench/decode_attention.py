@@ -12,6 +12,8 @@ threshold was chosen.
 One layer's cache stays in this machine's 300 MiB L3 between calls; in a step, every layer's comes from
 memory: `--layers 30` attends 30 caches in turn, as a step does. `--versus-rev REV` alternates calls with the
 C++ kernel as it was at git revision REV, in one process (the machine's speed drifts between runs).
+`--kernel-only` times the C++ kernel with its arguments bound beforehand, as the one-call one-stream forward
+calls it: for one sequence, the backend's Python around the call takes longer than the kernel.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from pagoda.bench.common import machine_info, parse_range
 from pagoda.config import DTYPES, KV_CACHE_DTYPES
 from pagoda.layers.attention.backend import DecodeGroup, get_attention_backend
-from pagoda.layers.attention.cpp import paged_decode
+from pagoda.layers.attention.cpp import paged_decode, prepared_decode
 from pagoda.layers.attention.paged_kv import PagedKVCache, k_cache_layout
 from pagoda.layers.kv_quant import SCALE_DTYPE, SCALE_GRANULARITIES, KVCacheSpec, kv_cache_spec
 
@@ -46,12 +48,17 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=1,
                    help="caches of this many layers, attended in turn as a step does; with 30 (the default model's "
                         "count) they no longer fit in L3 and come from memory, as in the engine")
+    p.add_argument("--kernel-only", action="store_true",
+                   help="cpp only: time the kernel called with its arguments prepared once (~1 us of ctypes a call), "
+                        "as the one-call one-stream forward calls it, not the backend's Python around it (tens of "
+                        "us, which hide one sequence's attention)")
     p.add_argument("--versus-rev", default=None, metavar="REV",
                    help="cpp only: alternate calls with the kernel as of git revision REV (its cpp_kernel.cpp and "
                         "cpp_vector.h), in one process, and report both")
     args = p.parse_args()
-    if args.versus_rev is not None and args.backends != "cpp":
-        p.error("--versus-rev compares cpp kernels: use it with --backends cpp")
+    for flag, value in (("--versus-rev", args.versus_rev), ("--kernel-only", args.kernel_only)):
+        if value and args.backends != "cpp":
+            p.error(f"{flag} is for the cpp kernel: use it with --backends cpp")
     dtype, bs, hq, hkv, d = DTYPES[args.dtype], args.block_size, 9, 3, 64
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(args.context[0], args.context[1] + 1, (args.num_seqs,), generator=g)
@@ -83,6 +90,9 @@ def main() -> None:
         if args.versus_rev is not None:
             sides["versus_ms_per_call"] = timed(lambda cache: paged_decode(q, cache, tables, lens, d**-0.5,
                                                                            rev=args.versus_rev))
+        if args.kernel_only:
+            sides = {side: _kernel_only(q, caches, tables, lens, d**-0.5, args.layers,
+                                        args.versus_rev if side.startswith("versus") else None) for side in sides}
         times: dict[str, list[float]] = {side: [] for side in sides}
         with torch.inference_mode():
             for i in range(args.iters + 3):
@@ -98,6 +108,19 @@ def main() -> None:
             out |= {"versus_rev": args.versus_rev, "versus_ms_per_call": round(ms["versus_ms_per_call"], 3),
                     "versus_over_this": round(ms["versus_ms_per_call"] / ms["ms_per_call"], 3)}
         print(json.dumps(out | {"compile_s": round(compile_s, 2), "machine": machine_info()}))
+
+
+def _kernel_only(q: torch.Tensor, caches: list[PagedKVCache], tables: torch.Tensor, lens: torch.Tensor, scale: float,
+                 layers: int, rev: str | None) -> Callable[[], float]:
+    """Times the cpp kernel over the caches in turn, each call's arguments bound beforehand: ms per layer."""
+    calls = [prepared_decode(q, cache, tables, lens, scale, rev)[0] for cache in caches]
+
+    def call() -> float:
+        start = time.perf_counter()
+        for kernel in calls:
+            kernel()
+        return (time.perf_counter() - start) / layers * 1e3
+    return call
 
 
 def _call(decode: Callable[..., object], q: torch.Tensor, group: DecodeGroup, scale: float,

@@ -74,8 +74,11 @@ def test_decode_attention_versus_a_git_revision(capsys: pytest.CaptureFixture[st
     assert len(rows) == 1 and rows[0]["layers"] == 2 and rows[0]["versus_rev"] == "HEAD"
     assert rows[0]["ms_per_call"] > 0 and rows[0]["versus_ms_per_call"] > 0
     assert ("cpp_kernel.cpp", "HEAD") in reads and ("cpp_vector.h", "HEAD") in reads
-    with pytest.raises(SystemExit):
-        run_module(main, ["--backends", "sdpa,cpp", "--versus-rev", "HEAD"], capsys, monkeypatch)
+    rows = run_module(main, [*argv, "--kernel-only"], capsys, monkeypatch)  # the kernels alone, both sides
+    assert rows[0]["ms_per_call"] > 0 and rows[0]["versus_ms_per_call"] > 0
+    for flag in (["--versus-rev", "HEAD"], ["--kernel-only"]):
+        with pytest.raises(SystemExit):
+            run_module(main, ["--backends", "sdpa,cpp", *flag], capsys, monkeypatch)
 
 
 def test_elementwise_bench_times_each_op_on_each_side(capsys: pytest.CaptureFixture[str],

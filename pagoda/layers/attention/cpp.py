@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,15 @@ def paged_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch.Te
                  scale: float, rev: str | None = None) -> torch.Tensor:
     """q (B, Hq, D); block_tables (B, W) int64; seq_lens (B,) int64, each >= 1 -> (B, Hq, D) in q's dtype.
     rev: the kernel as of that git revision (`bench.decode_attention --versus-rev`)."""
+    call, out = prepared_decode(q, kv_cache, block_tables, seq_lens, scale, rev)
+    call()
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def prepared_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float, rev: str | None = None) -> tuple[Callable[[], None], torch.Tensor]:
+    """paged_decode's kernel call with its arguments bound, and the float32 output it writes (B, Hq, D): each
+    call of it runs the kernel alone, as the one-call forward does (`bench.decode_attention --kernel-only`)."""
     b, hq, d = q.shape
     lib = _library_for(kv_cache, hq) if rev is None else _library(*_library_args(kv_cache, hq), rev=rev)
     fn = lib.pagoda_paged_decode
@@ -129,9 +139,15 @@ def paged_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch.Te
     def ptr(t: torch.Tensor | None) -> int | None:
         return None if t is None else t.data_ptr()
 
-    fn(ptr(qf), ptr(kv_cache.k), ptr(kv_cache.v), ptr(ks), ptr(vs), ptr(table), ptr(bt), ptr(lens), ptr(out),
-       ptr(work), b, width, span_blocks, scale)
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    args = (ptr(qf), ptr(kv_cache.k), ptr(kv_cache.v), ptr(ks), ptr(vs), ptr(table), ptr(bt), ptr(lens), ptr(out),
+            ptr(work), b, width, span_blocks, scale)
+    keep = (qf, bt, lens, out, work, table, kv_cache)  # what the addresses point into, alive with the call
+
+    def call() -> None:
+        fn(*args)
+
+    call.keep = keep  # type: ignore[attr-defined]
+    return call, out
 
 
 # Prompt chunks of at most this many queries that continue an earlier context go to the loop kernel whatever
