@@ -5,7 +5,8 @@ processing) are timed around their calls, and do not overlap: "logits" (the lm_h
 or score prompt tokens) is reported apart from "sampling", which then holds the sampler and its bookkeeping. Inside the
 forward pass, forward hooks time the modules by kind (attention and MLP blocks, their linear layers, norms,
 embedding). A step that one sequence's decode runs as one C++ call (pagoda/model/one_stream.py) runs no hooks:
-its forward is "forward/one_call", so the by-kind rows cover the other steps only. Off unless asked for: the
+its forward is "forward/one_call", and the C++ loop times each kind of call in it ("forward/one_call/qkv_proj",
+".../attention", ...); the by-kind rows above cover the other steps only. Off unless asked for: the
 engine then uses `NULL_PROFILER`, whose phases cost one no-op context manager.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -71,17 +73,25 @@ class StepProfiler:
 
 class _TimedOneCall:
     """The model's one-call forward (pagoda/model/one_stream.py), timed as forward/one_call in the steps it takes
-    (it returns None for the others, which run the eager forward and its hooks)."""
+    (it returns None for the others, which run the eager forward and its hooks), and each kind of call inside it
+    as forward/one_call/<kind> (timed by the C++ loop)."""
 
     def __init__(self, inner: Any, profiler: StepProfiler) -> None:
-        self.inner, self.profiler = inner, profiler
+        from pagoda.model.one_stream import OPS
+
+        self.inner, self.profiler, self.ops = inner, profiler, OPS
+        self.op_seconds = torch.zeros(len(OPS), dtype=torch.float64)
 
     def __call__(self, *args: Any) -> Any:
         start = time.perf_counter()
-        out = self.inner(*args)
+        out = self.inner(*args, op_seconds=self.op_seconds)
         if out is not None:
-            self.profiler.totals["forward/one_call"] += time.perf_counter() - start
+            totals = self.profiler.totals
+            totals["forward/one_call"] += time.perf_counter() - start
             self.profiler.counts["forward/one_call"] += 1
+            for op, seconds in zip(self.ops, self.op_seconds.tolist(), strict=True):
+                totals[f"forward/one_call/{op}"] += seconds
+        self.op_seconds.zero_()
         return out
 
 

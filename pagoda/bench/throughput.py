@@ -170,4 +170,4 @@ def report(result: dict[str, Any], as_json: bool) -> None:
         print(f"  matmul work {result['achieved_gflops']:.1f} GFLOP/s = {100 * result['compute_floor_fraction']:.0f}% "
               f"of the {result['matmul_peak_gflops']:.1f} GFLOP/s a plain matmul reaches here")
     for name, v in result.get("profile", {}).items():
-        print(f"  {name:<28} {v['ms_per_step']:9.2f} ms/step {100 * v['share']:6.1f}%")
+        print(f"  {name:<34} {v['ms_per_step']:9.2f} ms/step {100 * v['share']:6.1f}%")

@@ -10,6 +10,7 @@
 // PAGODA_ELEM #defined: 0 float32, 1 bfloat16 (the model's dtype: weights, activations and KV cache).
 
 #include <cstdint>
+#include <ctime>
 
 #if PAGODA_ELEM == 0
 using elem_t = float;
@@ -35,15 +36,39 @@ using decode_fn = void (*)(const float* q, const void* k, const void* v, const v
 // float32, attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x (hidden), all of
 // elem_t except the two float32 ones (unused for a float32 model, whose q and output the kernel takes as they are),
 // the decode kernel's work. ids, slot, seq_len: (1,); block_table (1, W); cos, sin: (head_dim) of this
-// position. out: the final norm's output (hidden).
+// position. out: the final norm's output (hidden). op_seconds: null, or OP_COUNT doubles to which each kind
+// of call adds its wall time, in this order: norm, qkv_proj, rotary, write_kv, attention (with the bfloat16
+// model's conversions of q and of the output), o_proj, gate_up_proj, silu_mul, down_proj (`--profile` reports
+// them; two clock reads a call, ~20 us a step).
 constexpr int64_t LAYER_PTRS = 10;
+enum OneStreamOp { OP_NORM, OP_QKV, OP_ROTARY, OP_WRITE_KV, OP_ATTENTION, OP_O, OP_GATE_UP, OP_SILU_MUL, OP_DOWN, OP_COUNT };
+
+static inline double seconds_now() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return double(t.tv_sec) + double(t.tv_nsec) * 1e-9;
+}
+
+// Runs call, adding its wall time to op_seconds[op] when op_seconds is not null.
+template <typename Call>
+static inline void timed(double* op_seconds, OneStreamOp op, Call&& call) {
+  if (op_seconds == nullptr) {
+    call();
+    return;
+  }
+  const double start = seconds_now();
+  call();
+  op_seconds[op] += seconds_now() - start;
+}
 
 extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers, int64_t num_layers,
                                           const int64_t* dims, float eps, float scale, void* const* bufs,
                                           const int64_t* ids, const elem_t* embed, const void* final_norm,
                                           const void* cos, const void* sin, const int64_t* slot,
                                           const int64_t* block_table,
-                                          const int64_t* seq_len, int64_t W, int64_t span_blocks, void* out) {
+                                          const int64_t* seq_len, int64_t W, int64_t span_blocks, void* out,
+                                          double* op_seconds) {
+  double* const ts = op_seconds;
   const auto gemv = reinterpret_cast<gemv_fn>(fns[0]);
   const auto norm = reinterpret_cast<norm_fn>(fns[1]);
   const auto rotary = reinterpret_cast<rotary_fn>(fns[2]);
@@ -67,26 +92,30 @@ extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers,
   std::memcpy(residual, embed + ids[0] * H, H * sizeof(elem_t));  // the embedding: the residual stream
   for (int64_t l = 0; l < num_layers; ++l) {
     void* const* p = layers + l * LAYER_PTRS;
-    if (l == 0) {
-      norm(residual, H, nullptr, p[0], h, 1, H, eps);
-    } else {
-      norm(x, H, residual, p[0], h, 1, H, eps);  // residual += x (the previous MLP's output)
-    }
-    gemv(h, p[1], p[2], qkv, 1, QKV, H);
-    rotary(qkv, QKV, HQ, qkv + QS, QKV, HKV, cos, sin, 1, D);
-    write_kv(p[8], p[9], qkv + QS, qkv + QS + KVS, slot, 1);
+    timed(ts, OP_NORM, [&] {
+      if (l == 0) {
+        norm(residual, H, nullptr, p[0], h, 1, H, eps);
+      } else {
+        norm(x, H, residual, p[0], h, 1, H, eps);  // residual += x (the previous MLP's output)
+      }
+    });
+    timed(ts, OP_QKV, [&] { gemv(h, p[1], p[2], qkv, 1, QKV, H); });
+    timed(ts, OP_ROTARY, [&] { rotary(qkv, QKV, HQ, qkv + QS, QKV, HKV, cos, sin, 1, D); });
+    timed(ts, OP_WRITE_KV, [&] { write_kv(p[8], p[9], qkv + QS, qkv + QS + KVS, slot, 1); });
+    timed(ts, OP_ATTENTION, [&] {
 #if PAGODA_ELEM == 0
-    decode(qkv, p[8], p[9], nullptr, nullptr, nullptr, block_table, seq_len, attn, work, 1, W, span_blocks, scale);
+      decode(qkv, p[8], p[9], nullptr, nullptr, nullptr, block_table, seq_len, attn, work, 1, W, span_blocks, scale);
 #else
-    for (int64_t i = 0; i < QS; ++i) qf[i] = bf16_to_f(qkv[i]);
-    decode(qf, p[8], p[9], nullptr, nullptr, nullptr, block_table, seq_len, attn_f, work, 1, W, span_blocks, scale);
-    for (int64_t i = 0; i < QS; ++i) attn[i] = f_to_bf16(attn_f[i]);
+      for (int64_t i = 0; i < QS; ++i) qf[i] = bf16_to_f(qkv[i]);
+      decode(qf, p[8], p[9], nullptr, nullptr, nullptr, block_table, seq_len, attn_f, work, 1, W, span_blocks, scale);
+      for (int64_t i = 0; i < QS; ++i) attn[i] = f_to_bf16(attn_f[i]);
 #endif
-    gemv(attn, p[3], p[4], o, 1, H, QS);
-    norm(o, H, residual, p[5], h, 1, H, eps);
-    gemv(h, p[6], nullptr, gate_up, 1, 2 * I, H);
-    silu_mul(gate_up, gate_up + I, 2 * I, act, 1, I);
-    gemv(act, p[7], nullptr, x, 1, H, I);
+    });
+    timed(ts, OP_O, [&] { gemv(attn, p[3], p[4], o, 1, H, QS); });
+    timed(ts, OP_NORM, [&] { norm(o, H, residual, p[5], h, 1, H, eps); });
+    timed(ts, OP_GATE_UP, [&] { gemv(h, p[6], nullptr, gate_up, 1, 2 * I, H); });
+    timed(ts, OP_SILU_MUL, [&] { silu_mul(gate_up, gate_up + I, 2 * I, act, 1, I); });
+    timed(ts, OP_DOWN, [&] { gemv(act, p[7], nullptr, x, 1, H, I); });
   }
-  norm(x, H, residual, final_norm, out, 1, H, eps);
+  timed(ts, OP_NORM, [&] { norm(x, H, residual, final_norm, out, 1, H, eps); });
 }

@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("one_stream.cpp")
 _LAYER_PTRS = 10  # as in one_stream.cpp
+# The kinds of call the forward can time (one_stream.cpp's OneStreamOp, in its order): `--profile` reports each
+# as forward/one_call/<kind>.
+OPS = ("norm", "qkv_proj", "rotary", "write_kv", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj")
 _ELEM = {torch.float32: 0, torch.bfloat16: 1}  # one_stream.cpp's PAGODA_ELEM
 
 
@@ -112,10 +115,11 @@ class OneStreamForward:
         groups = meta.decode_groups
         return len(groups) == 1 and groups[0].whole_step and groups[0].rows.shape[0] == 1
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-                 ) -> torch.Tensor | None:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 op_seconds: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's final hidden states, or None if it is not one sequence's decode (or torch's thread
-        count grew past what the work buffer was sized for): the eager forward then runs it."""
+        count grew past what the work buffer was sized for): the eager forward then runs it. op_seconds: float64
+        (len(OPS),), to which each kind of call adds its wall time."""
         if not self.applies(meta):
             return None
         group = meta.decode_groups[0]
@@ -131,8 +135,15 @@ class OneStreamForward:
         out = torch.empty((1, self._hidden), dtype=self._dtype)
         self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale, self._bufs,
                  ids.data_ptr(), self._embed.data_ptr(), self._final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                 slot.data_ptr(), table.data_ptr(), seq_len.data_ptr(), width, span_blocks, out.data_ptr())
+                 slot.data_ptr(), table.data_ptr(), seq_len.data_ptr(), width, span_blocks, out.data_ptr(),
+                 None if op_seconds is None else _seconds_buffer(op_seconds))
         return out
+
+
+def _seconds_buffer(op_seconds: torch.Tensor) -> int:
+    if op_seconds.dtype != torch.float64 or op_seconds.shape != (len(OPS),) or not op_seconds.is_contiguous():
+        raise ValueError(f"op_seconds must be a contiguous float64 tensor of shape ({len(OPS)},)")
+    return op_seconds.data_ptr()
 
 
 def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
@@ -185,7 +196,7 @@ def build(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> tuple[OneSt
         return None, time.perf_counter() - start
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_one_stream_forward.argtypes = [ptr, ptr, i64, ptr, ctypes.c_float, ctypes.c_float] + [ptr] * 9 + \
-        [i64, i64, ptr]
+        [i64, i64, ptr, ptr]
     lib.pagoda_one_stream_forward.restype = None
     forward = OneStreamForward(model, kv_caches, lib)
     seconds = time.perf_counter() - start

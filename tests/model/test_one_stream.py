@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.model.one_stream import OneStreamForward
+from pagoda.model.one_stream import OPS, OneStreamForward
 
 PROMPT_LENS = [1, 7, 16, 17, 40, 130]  # one, several and many blocks of 16, a block boundary
 
@@ -101,8 +101,8 @@ def test_applies_to_one_decode_only() -> None:
 
 
 def test_profile_times_one_call_steps_apart(tiny_model: tuple[str, Path]) -> None:
-    """`--profile`: one-call steps run no module hooks, so their forward is its own row (forward/one_call), and the
-    by-kind rows hold only the other steps."""
+    """`--profile`: one-call steps run no module hooks, so their forward is its own row (forward/one_call), timed by
+    kind of call inside it (forward/one_call/<kind>), and the by-kind rows hold only the other steps."""
     arch, folder = tiny_model
     if arch == "qwen3":
         return  # no one-call forward (per-head q/k norms)
@@ -114,3 +114,6 @@ def test_profile_times_one_call_steps_apart(tiny_model: tuple[str, Path]) -> Non
     report = prof.report()
     assert 0 < report["forward/one_call"]["ms_per_step"] <= report["forward"]["ms_per_step"]
     assert report["forward/attention"]["ms_per_step"] > 0  # the prompt step's
+    inside = [report[f"forward/one_call/{op}"]["ms_per_step"] for op in OPS]
+    assert all(ms > 0 for ms in inside)  # every kind of call ran, and was timed, in each of the 11 steps
+    assert sum(inside) <= report["forward/one_call"]["ms_per_step"]
