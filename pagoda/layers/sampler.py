@@ -356,12 +356,14 @@ class Sampler:
         u = torch.tensor([0.0 if rows[i].params.greedy else float(
             torch.rand((), dtype=torch.float64, generator=rows[i].generator, device=rows[i].generator.device))
             for i in which], dtype=torch.float64)
-        ids = torch.empty(n, dtype=torch.long)
-        lps = torch.empty(n, dtype=torch.float64)
+        every = n == token_ids.shape[0]  # all rows, in order: written in place (two ops fewer a step)
+        ids = token_ids if every else torch.empty(n, dtype=torch.long)
+        lps = logprobs if every else torch.empty(n, dtype=torch.float64)
         work = torch.empty(n * -(-vocab // _CDF_CHUNK), dtype=torch.float64)
         self.lib.pagoda_sample_plain(logits.data_ptr(), picks.data_ptr(), n, vocab, logits.stride(0),
                                      temps.data_ptr(), u.data_ptr(), ids.data_ptr(), lps.data_ptr(), work.data_ptr())
-        token_ids[picks], logprobs[picks] = ids, lps
+        if not every:
+            token_ids[picks], logprobs[picks] = ids, lps
 
 
 def _sample_torch(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:

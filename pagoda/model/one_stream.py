@@ -107,6 +107,7 @@ class OneStreamForward:
         self._embed = model.model.embed_tokens.weight
         self._final_norm = model.model.norm.weight
         self._rotary = model.model.rotary
+        self._rotary_row_bytes = self._rotary.cos.stride(0) * self._rotary.cos.element_size()
         self._fn = lib.pagoda_one_stream_forward
         self._hidden = h
 
@@ -127,14 +128,20 @@ class OneStreamForward:
         slot = meta.slot_mapping.contiguous()
         ids = input_ids.contiguous()
         assert ids.dtype == table.dtype == seq_len.dtype == slot.dtype == torch.int64
-        cos, sin = self._rotary.cos_sin(positions)
+        # The token's rotary rows by address, not by indexing the tables: each torch op costs tens of us on a
+        # cold cache, and this runs at every step. Its position is its context length less one.
+        position = meta.seq_lens[0] - 1
+        if not 0 <= position < self._rotary.cos.shape[0]:
+            return None  # the eager forward raises the index error
+        row = position * self._rotary_row_bytes
+        cos, sin = self._rotary.cos.data_ptr() + row, self._rotary.sin.data_ptr() + row
         width = table.shape[1]
         span_blocks, spans = decode_spans(1, width)
         if spans > self._max_spans:
             return None
         out = torch.empty((1, self._hidden), dtype=self._dtype)
         self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale, self._bufs,
-                 ids.data_ptr(), self._embed.data_ptr(), self._final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                 ids.data_ptr(), self._embed.data_ptr(), self._final_norm.data_ptr(), cos, sin,
                  slot.data_ptr(), table.data_ptr(), seq_len.data_ptr(), width, span_blocks, out.data_ptr(),
                  None if op_seconds is None else _seconds_buffer(op_seconds))
         return out

@@ -66,7 +66,8 @@ class ModelRunner:
     def _sample(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
         if inputs.sample_rows:
-            logits = self._logits(hidden[inputs.sample_rows])
+            rows_all = inputs.sample_rows == list(range(hidden.shape[0]))  # decode steps: no copy (an op less)
+            logits = self._logits(hidden if rows_all else hidden[inputs.sample_rows])
             rows = [SamplingRow(params=s.request.params, generator=s.request.generator,
                                 prompt_token_ids=s.request.prompt_token_ids,
                                 output_token_ids=s.request.output_token_ids,

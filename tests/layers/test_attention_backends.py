@@ -129,6 +129,43 @@ def test_decode_groups_cover_every_decode_once_with_bounded_padding() -> None:
         assert g.block_tables.numel() <= max(DECODE_GROUP_PADDING * real, g.block_tables.shape[1])
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_attention_metadata_against_a_token_by_token_reference(block_size: int) -> None:
+    """Random batches of decodes and prompt chunks (chunks crossing blocks, starting mid-block): each token's
+    slot, the rows, lengths and block tables of the decode groups (padded with block 0), and whole_step."""
+    import random
+
+    from pagoda.layers.attention.backend import build_attention_metadata
+
+    rng = random.Random(block_size)
+    for _ in range(200):
+        seqs = []
+        for _ in range(rng.randint(1, 10)):
+            n = rng.choice([1, 1, rng.randint(1, 70)])
+            start = rng.randint(0, 200)
+            seqs.append((rng.sample(range(1000), -(-(start + n) // block_size)), start, n))
+        padding = rng.choice([1.0, 1.25, float("inf")])
+        meta = build_attention_metadata(seqs, block_size, padding)
+        want = [t[p // block_size] * block_size + p % block_size for t, start, n in seqs
+                for p in range(start, start + n)]
+        assert meta.slot_mapping.tolist() == want
+        starts = [0] + [sum(n for _, _, n in seqs[: i + 1]) for i in range(len(seqs))]
+        assert meta.query_start_loc == starts
+        assert meta.seq_lens == [start + n for _, start, n in seqs]
+        assert meta.prefill_idx == [i for i, s in enumerate(seqs) if s[2] > 1]
+        assert {i: t.tolist() for i, t in meta.block_tables.items()} == {i: seqs[i][0] for i in meta.prefill_idx}
+        seen = []
+        for g in meta.decode_groups:
+            for row, table, length in zip(g.rows.tolist(), g.block_tables.tolist(), g.seq_lens.tolist(), strict=True):
+                i = starts.index(row)
+                seen.append(i)
+                t = seqs[i][0]
+                assert table == t + [0] * (len(table) - len(t)) and length == seqs[i][1] + 1
+        assert sorted(seen) == [i for i, s in enumerate(seqs) if s[2] == 1]
+        whole = len(meta.decode_groups) == 1 and meta.decode_groups[0].rows.tolist() == list(range(len(seqs)))
+        assert all(g.whole_step == whole for g in meta.decode_groups)
+
+
 @pytest.mark.parametrize(("num_seqs", "num_blocks"), [(1, 1), (1, 3), (3, 1), (2, 2)])
 def test_compiled_decode_on_size_one_groups(num_seqs: int, num_blocks: int) -> None:
     """Groups of one sequence or one block are padded inside the kernel call; results must not change."""

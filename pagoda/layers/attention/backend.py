@@ -33,7 +33,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) int64: block_id * block_size + offset for each new token
     query_start_loc: list[int]  # (B + 1,) row offsets of each sequence's queries
     seq_lens: list[int]  # (B,) context length of each sequence after this step
-    block_tables: list[torch.Tensor]  # B tensors (num_blocks_i,) int64
+    block_tables: dict[int, torch.Tensor]  # the prompt chunks' (prefill_idx) block tables (num_blocks_i,) int64
     decode_groups: list[DecodeGroup]  # sequences with exactly one query (decodes), batched
     prefill_idx: list[int]  # sequences with more than one query
 
@@ -42,30 +42,43 @@ class AttentionMetadata:
 def build_attention_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
                              group_padding: float | None = None) -> AttentionMetadata:
     """seqs: (block table, start position, new tokens) per sequence, in batch order. group_padding: how
-    much padding a decode group may have (default DECODE_GROUP_PADDING; inf: all decodes in one group)."""
-    tables = [torch.tensor(t, dtype=torch.long) for t, _, _ in seqs]
-    slots, qsl, seq_lens = [], [0], []
-    for table, (_, start, n) in zip(tables, seqs, strict=True):
-        pos = torch.arange(start, start + n)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
+    much padding a decode group may have (default DECODE_GROUP_PADDING; inf: all decodes in one group).
+
+    Built from Python lists, a tensor per field rather than a few torch ops per sequence: this runs at every
+    step, and each torch call costs microseconds (tens on a cold cache; 64 decodes took 2.4-2.9 ms when each
+    sequence's slots were computed with torch ops, BENCHMARKS.md)."""
+    slots: list[int] = []
+    qsl, seq_lens = [0], []
+    for table, start, n in seqs:
+        pos, end = start, start + n
+        while pos < end:  # block by block: a range of consecutive slots in each
+            block, offset = divmod(pos, block_size)
+            take = min(block_size - offset, end - pos)
+            base = table[block] * block_size + offset
+            slots.extend(range(base, base + take))
+            pos += take
         qsl.append(qsl[-1] + n)
-        seq_lens.append(start + n)
+        seq_lens.append(end)
+    lengths = [len(t) for t, _, _ in seqs]
     decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
     padding = DECODE_GROUP_PADDING if group_padding is None else group_padding
-    groups = [_decode_group(g, tables, qsl, seq_lens) for g in _group_by_length(decodes, tables, padding)]
-    if len(groups) == 1 and len(decodes) == len(seqs):
-        groups[0].whole_step = bool(torch.equal(groups[0].rows, torch.arange(len(seqs))))
+    members = _group_by_length(decodes, lengths, padding)
+    groups = [_decode_group(g, seqs, qsl, seq_lens) for g in members]
+    if len(groups) == 1 and len(decodes) == len(seqs):  # its rows are 0..B-1 in order
+        groups[0].whole_step = members[0] == list(range(len(seqs)))
+    prefill_idx = [i for i, (_, _, n) in enumerate(seqs) if n > 1]
     return AttentionMetadata(
-        slot_mapping=torch.cat(slots), query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
-        decode_groups=groups, prefill_idx=[i for i, (_, _, n) in enumerate(seqs) if n > 1])
+        slot_mapping=torch.tensor(slots, dtype=torch.long), query_start_loc=qsl, seq_lens=seq_lens,
+        block_tables={i: torch.tensor(seqs[i][0], dtype=torch.long) for i in prefill_idx},
+        decode_groups=groups, prefill_idx=prefill_idx)
 
 
-def _group_by_length(idx: list[int], tables: list[torch.Tensor], padding: float) -> list[list[int]]:
+def _group_by_length(idx: list[int], lengths: list[int], padding: float) -> list[list[int]]:
     """Split sequences (sorted by blocks) so that padding each group to its longest wastes little."""
     groups: list[list[int]] = []
     blocks = 0
-    for i in sorted(idx, key=lambda i: len(tables[i])):
-        n = len(tables[i])  # the longest so far in its group: sorted ascending
+    for i in sorted(idx, key=lambda i: lengths[i]):
+        n = lengths[i]  # the longest so far in its group: sorted ascending
         if groups and (len(groups[-1]) + 1) * n <= padding * (blocks + n):
             groups[-1].append(i)
             blocks += n
@@ -75,11 +88,12 @@ def _group_by_length(idx: list[int], tables: list[torch.Tensor], padding: float)
     return groups
 
 
-def _decode_group(idx: list[int], tables: list[torch.Tensor], qsl: list[int], seq_lens: list[int]) -> DecodeGroup:
-    padded = torch.zeros((len(idx), max(len(tables[i]) for i in idx)), dtype=torch.long)
-    for row, i in enumerate(idx):
-        padded[row, : len(tables[i])] = tables[i]
-    return DecodeGroup(rows=torch.tensor([qsl[i] for i in idx], dtype=torch.long), block_tables=padded,
+def _decode_group(idx: list[int], seqs: list[tuple[list[int], int, int]], qsl: list[int],
+                  seq_lens: list[int]) -> DecodeGroup:
+    width = max(len(seqs[i][0]) for i in idx)
+    padded = [list(seqs[i][0]) + [0] * (width - len(seqs[i][0])) for i in idx]
+    return DecodeGroup(rows=torch.tensor([qsl[i] for i in idx], dtype=torch.long),
+                       block_tables=torch.tensor(padded, dtype=torch.long),
                        seq_lens=torch.tensor([seq_lens[i] for i in idx], dtype=torch.long))
 
 
