@@ -36,12 +36,14 @@ using decode_fn = void (*)(const float* q, const void* k, const void* v, const v
 // float32, attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x (hidden), all of
 // elem_t except the two float32 ones (unused for a float32 model, whose q and output the kernel takes as they are),
 // the decode kernel's work. ids, slot, seq_len: (1,); block_table (1, W); cos, sin: (head_dim) of this
-// position. out: the final norm's output (hidden). op_seconds: null, or OP_COUNT doubles to which each kind
+// position. out: the final norm's output (hidden). ts: null, or OP_COUNT doubles to which each kind
 // of call adds its wall time, in this order: norm, qkv_proj, rotary, write_kv, attention (with the bfloat16
 // model's conversions of q and of the output), o_proj, gate_up_proj, silu_mul, down_proj (`--profile` reports
 // them; two clock reads a call, ~20 us a step).
 constexpr int64_t LAYER_PTRS = 10;
-enum OneStreamOp { OP_NORM, OP_QKV, OP_ROTARY, OP_WRITE_KV, OP_ATTENTION, OP_O, OP_GATE_UP, OP_SILU_MUL, OP_DOWN, OP_COUNT };
+enum OneStreamOp {
+  OP_NORM, OP_QKV, OP_ROTARY, OP_WRITE_KV, OP_ATTENTION, OP_O, OP_GATE_UP, OP_SILU_MUL, OP_DOWN, OP_COUNT
+};
 
 static inline double seconds_now() {
   timespec t;
@@ -67,8 +69,7 @@ extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers,
                                           const void* cos, const void* sin, const int64_t* slot,
                                           const int64_t* block_table,
                                           const int64_t* seq_len, int64_t W, int64_t span_blocks, void* out,
-                                          double* op_seconds) {
-  double* const ts = op_seconds;
+                                          double* ts) {
   const auto gemv = reinterpret_cast<gemv_fn>(fns[0]);
   const auto norm = reinterpret_cast<norm_fn>(fns[1]);
   const auto rotary = reinterpret_cast<rotary_fn>(fns[2]);

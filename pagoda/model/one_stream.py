@@ -129,7 +129,8 @@ class OneStreamForward:
         ids = input_ids.contiguous()
         assert ids.dtype == table.dtype == seq_len.dtype == slot.dtype == torch.int64
         # The token's rotary rows by address, not by indexing the tables: each torch op costs tens of us on a
-        # cold cache, and this runs at every step. Its position is its context length less one.
+        # cold cache, and this runs at every step. Its position (positions[0], which the eager forward indexes) is
+        # its context length less one.
         position = meta.seq_lens[0] - 1
         if not 0 <= position < self._rotary.cos.shape[0]:
             return None  # the eager forward raises the index error

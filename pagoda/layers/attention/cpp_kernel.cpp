@@ -97,11 +97,11 @@ static inline vf load16(const elem_t* p, const float* table) {
 // start of a step one line of each 4 KB page of those runs is asked for, so that the page walks (every block is a
 // new page) overlap. The rest is spread over the step's work, PREFETCH_PER_STEP at each step of its K and V loops:
 // in one burst at the start of a block, the prefetches waited for the core's few line-fill buffers and held up
-// the block's own loads; two more a step were 0.85x as fast. They fetch into L2 (prefetcht1; into L1 was the same).
-// One sequence of 300-1,200 tokens with 30 layers' caches: 1.1-1.2x faster from memory (blocks in random order),
-// 1.6x from L3, than prefetching the next step's blocks only (which a span of one step, 300 tokens cut into 7
-// spans, never did); `bench.decode_attention --num-seqs 1 --layers 30 --versus-rev`, BENCHMARKS.md. The scales
-// (float16, a few bytes a block) are left to the hardware.
+// the block's own loads; two more a step were 0.81-0.92x as fast. They fetch into L2 (prefetcht1; into L1 was the
+// same). Against prefetching the next step's blocks only (which a span of one step, 300 tokens cut into 7 spans,
+// never did): one sequence of 300-2,400 tokens over 30 layers' caches 1.17-1.26x faster, 128 sequences 1.15-1.24x,
+// one sequence whose cache is in L2 0.94-0.95x (`bench.decode_attention --layers 30 --versus-rev`, BENCHMARKS.md).
+// The scales (float16, a few bytes a block) are left to the hardware.
 static_assert(PAGODA_PREFETCH_AHEAD == 0 || PAGODA_PREFETCH_AHEAD == 1, "prefetching is on (1) or off (0)");
 constexpr int64_t PREFETCH_AHEAD = PAGODA_PREFETCH_AHEAD;
 // Blocks whose scores go through one online-softmax update, 64 tokens' worth: the update (a maximum and a
