@@ -49,7 +49,6 @@ class StepProfiler:
         if one_call is not None:
             model.one_stream_forward = _TimedOneCall(one_call, self)  # type: ignore[assignment]
 
-
     def _pre(self, module: nn.Module, args: Any) -> None:
         self._starts[id(module)] = time.perf_counter()
 

@@ -56,9 +56,9 @@ constexpr int64_t ROWS = 3;
 // The first pass over a tile (its first group of rows) prefetches the record this many records ahead of the one
 // it reads: each thread's records are one contiguous stream (tiles follow each other), and at one row the
 // kernel's arithmetic between loads left the hardware prefetcher behind. On the AVX2 machine, one 70 MB Q4_1
-// call at one row went from 15.3-17.8 to 17.2-21.0 GB/s, what a plain read of the same records reached (17-20
-// GB/s), and one stream's 120 layer calls ran 1.13-1.19x faster; 4, 16, 32 and 64 records ahead did about as well
-// (BENCHMARKS.md, "Prefetching the packed weights").
+// call at one row went from 15.3-17.8 to 17.2-21.0 GB/s, what a plain read of the same records reached
+// (16.7-20.5 GB/s), and one stream's 120 layer calls ran 1.13-1.19x faster; 4, 16, 32 and 64 records ahead did
+// about as well (BENCHMARKS.md, "Prefetching the packed weights").
 constexpr int64_t PREFETCH_RECORDS = 8;
 
 // x (M, K) float32 -> xq (M, K) int8, dx and sx (M, K / QK) float32; K a multiple of QK. Rounding is to
