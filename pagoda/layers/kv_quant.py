@@ -1,4 +1,9 @@
-"""Quantized KV cache storage: int8 or fp8 (e4m3) elements with float16 absmax scales.
+"""KV cache storage: the model dtype, another 16-bit float (bfloat16, float16), or quantized: int8 or fp8 (e4m3)
+elements with float16 absmax scales.
+
+A 16-bit cache under a float32 model halves the bytes a decode reads (the K and V of every context token, every
+layer) and doubles the tokens a budget holds; each element is rounded once, on write (to nearest even, as
+torch's `.to` rounds). float16 keeps 3 more mantissa bits than bfloat16 but saturates at 65504.
 
 Symmetric absmax quantization: scale = amax / qmax, q = x / scale (rounded for int8, cast for fp8),
 x ~= q * scale. The scale covers one (token, kv head) row of head_dim elements, or one (block, kv head):
@@ -24,7 +29,8 @@ SCALE_BYTES = 2
 _MIN_SCALE = 2.0**-24
 _MAX_SCALE = torch.finfo(SCALE_DTYPE).max
 
-STORAGE_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+STORAGE_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # quantized, with scales
+PLAIN_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # no scales
 QMAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_GRANULARITIES = ("token", "block")
 
@@ -33,7 +39,7 @@ SCALE_GRANULARITIES = ("token", "block")
 class KVCacheSpec:
     """How one layer's K and V are stored: the element dtype and, when quantized, where scales sit.
 
-    scale_granularity None: the model dtype, no scales (kv_cache_dtype "auto").
+    scale_granularity None: no scales; the model dtype (kv_cache_dtype "auto") or a 16-bit float.
     """
 
     storage_dtype: torch.dtype
@@ -46,6 +52,10 @@ class KVCacheSpec:
     @property
     def quantized(self) -> bool:
         return self.scale_granularity is not None
+
+    def rounds(self, model_dtype: torch.dtype) -> bool:
+        """Whether reading gives back other values than the model wrote: quantized, or stored in another dtype."""
+        return self.quantized or self.storage_dtype != model_dtype
 
     @property
     def qmax(self) -> float:
@@ -93,11 +103,15 @@ def fp8_supported(device: str = "cpu") -> bool:
 
 def kv_cache_spec(kv_cache_dtype: str, model_dtype: torch.dtype, scale_granularity: str = "token",
                   device: str = "cpu") -> KVCacheSpec:
-    """'auto' (the model dtype), 'int8' or 'fp8' -> a KVCacheSpec; ValueError naming the field otherwise."""
+    """'auto' (the model dtype), 'bfloat16', 'float16', 'int8' or 'fp8' -> a KVCacheSpec; ValueError naming the
+    field otherwise."""
     if kv_cache_dtype == "auto":
         return KVCacheSpec(model_dtype)
+    if kv_cache_dtype in PLAIN_DTYPES:
+        return KVCacheSpec(PLAIN_DTYPES[kv_cache_dtype])
     if kv_cache_dtype not in STORAGE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(STORAGE_DTYPES)}; got {kv_cache_dtype!r}")
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join([*PLAIN_DTYPES, *STORAGE_DTYPES])}; "
+                         f"got {kv_cache_dtype!r}")
     if scale_granularity not in SCALE_GRANULARITIES:
         raise ValueError(f"kv_cache_scale_granularity must be one of {', '.join(SCALE_GRANULARITIES)}; "
                          f"got {scale_granularity!r}")

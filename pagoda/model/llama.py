@@ -238,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
         The elementwise ops go back to torch's: inductor fuses those itself."""
         self.ops.disable_cpp()
         self.compiled_forward, seconds = compile_forward(self._forward, self.config.hidden_size)
-        if kv_caches[0].spec.quantized:
+        if kv_caches[0].spec.rounds(self.model.embed_tokens.weight.dtype):
             return seconds
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)

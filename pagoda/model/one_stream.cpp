@@ -7,7 +7,8 @@
 // attention, each compiled on its own), the layers' weights and caches, and scratch buffers, and runs them
 // in the eager path's order with the same arguments, so its output is the eager forward's, bit for bit
 // (tests/model/test_one_stream.py). Built and driven by pagoda/model/one_stream.py, after cpp_vector.h, with
-// PAGODA_ELEM #defined: 0 float32, 1 bfloat16 (the model's dtype: weights, activations and KV cache).
+// PAGODA_ELEM #defined: 0 float32, 1 bfloat16 (the model's dtype: weights and activations), and PAGODA_CACHE_ELEM,
+// the KV cache's: the model's, or under a float32 model 1 bfloat16 or 2 float16 (its K and V rounded on write).
 
 #include <cstdint>
 #include <ctime>
@@ -17,6 +18,22 @@ using elem_t = float;
 #else
 using elem_t = uint16_t;  // bfloat16
 #endif
+static_assert(PAGODA_CACHE_ELEM == PAGODA_ELEM ||
+                  (PAGODA_ELEM == 0 && (PAGODA_CACHE_ELEM == 1 || PAGODA_CACHE_ELEM == 2)),
+              "the cache is in the model's dtype, or a float32 model's is bfloat16 or float16");
+
+// A float32 model's K or V element in a 16-bit cache, rounded to nearest even as torch's .to rounds it (what the
+// eager path's cache write does before its kernel).
+[[maybe_unused]] static inline uint16_t to_cache(float x) {
+#if PAGODA_CACHE_ELEM == 2
+  const _Float16 h = static_cast<_Float16>(x);
+  uint16_t bits;
+  std::memcpy(&bits, &h, sizeof(bits));
+  return bits;
+#else
+  return f_to_bf16(x);
+#endif
+}
 
 using gemv_fn = void (*)(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N, int64_t K);
 using norm_fn = void (*)(const void* x, int64_t xs, void* residual, const void* weight, void* out, int64_t rows,
@@ -35,7 +52,8 @@ using decode_fn = void (*)(const float* q, const void* k, const void* v, const v
 // dims: hidden, q heads, KV heads, head_dim, intermediate. bufs: residual (hidden), h (hidden), qkv, q as
 // float32, attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x (hidden), all of
 // elem_t except the two float32 ones (unused for a float32 model, whose q and output the kernel takes as they are),
-// the decode kernel's work. ids, slot, seq_len: (1,); block_table (1, W); cos, sin: (head_dim) of this
+// the decode kernel's work, and the token's K and V in the cache's dtype (2 x KV heads x head_dim; used when that
+// is not the model's). ids, slot, seq_len: (1,); block_table (1, W); cos, sin: (head_dim) of this
 // position. out: the final norm's output (hidden). ts: null, or OP_COUNT doubles to which each kind
 // of call adds its wall time, in this order: norm, qkv_proj, rotary, write_kv, attention (with the bfloat16
 // model's conversions of q and of the output), o_proj, gate_up_proj, silu_mul, down_proj (`--profile` reports
@@ -89,6 +107,7 @@ extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers,
   void* act = bufs[8];
   void* x = bufs[9];
   auto* work = static_cast<float*>(bufs[10]);
+  [[maybe_unused]] auto* kv_cached = static_cast<uint16_t*>(bufs[11]);
 
   std::memcpy(residual, embed + ids[0] * H, H * sizeof(elem_t));  // the embedding: the residual stream
   for (int64_t l = 0; l < num_layers; ++l) {
@@ -102,7 +121,14 @@ extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers,
     });
     timed(ts, OP_QKV, [&] { gemv(h, p[1], p[2], qkv, 1, QKV, H); });
     timed(ts, OP_ROTARY, [&] { rotary(qkv, QKV, HQ, qkv + QS, QKV, HKV, cos, sin, 1, D); });
-    timed(ts, OP_WRITE_KV, [&] { write_kv(p[8], p[9], qkv + QS, qkv + QS + KVS, slot, 1); });
+    timed(ts, OP_WRITE_KV, [&] {
+#if PAGODA_CACHE_ELEM == PAGODA_ELEM
+      write_kv(p[8], p[9], qkv + QS, qkv + QS + KVS, slot, 1);
+#else
+      for (int64_t i = 0; i < 2 * KVS; ++i) kv_cached[i] = to_cache(qkv[QS + i]);
+      write_kv(p[8], p[9], kv_cached, kv_cached + KVS, slot, 1);
+#endif
+    });
     timed(ts, OP_ATTENTION, [&] {
 #if PAGODA_ELEM == 0
       decode(qkv, p[8], p[9], nullptr, nullptr, nullptr, block_table, seq_len, attn, work, 1, W, span_blocks, scale);

@@ -11,7 +11,8 @@ kernels, same order, same arguments.
 Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 or float32 model
 whose linears have the GEMV (or, with `--quantization q4_1`, all run the Q4_1 kernel, which has the GEMV's
 signature), the fused elementwise ops, the cpp attention backend's kernel for a cache of the
-model's dtype (not quantized), and no per-head q/k norm (Qwen3). Otherwise the model keeps its eager forward
+model's dtype (or, under a float32 model, of bfloat16 or float16: K and V are rounded as the eager path's
+write rounds them; not quantized), and no per-head q/k norm (Qwen3). Otherwise the model keeps its eager forward
 (logged).
 `--compile-model` has its own one-stream graph instead.
 """
@@ -47,6 +48,7 @@ _LAYER_PTRS = 10  # as in one_stream.cpp
 # as forward/one_call/<kind>.
 OPS = ("norm", "qkv_proj", "rotary", "write_kv", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj")
 _ELEM = {torch.float32: 0, torch.bfloat16: 1}  # one_stream.cpp's PAGODA_ELEM
+_CACHE_ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # its PAGODA_CACHE_ELEM
 
 
 def _address(fn: Any) -> int:
@@ -100,7 +102,8 @@ class OneStreamForward:
                               torch.empty(q, dtype=f32), torch.empty(q, dtype=dtype), torch.empty(h, dtype=dtype),
                               torch.empty(2 * inter, dtype=dtype), torch.empty(inter, dtype=dtype),
                               torch.empty(h, dtype=dtype),
-                              torch.empty(max_spans * cfg.num_heads * (cfg.head_dim + 2), dtype=f32)]
+                              torch.empty(max_spans * cfg.num_heads * (cfg.head_dim + 2), dtype=f32),
+                              torch.empty(2 * kv, dtype=kv_caches[0].k.dtype)]
         self._bufs = (ctypes.c_void_p * len(self._bufs_tensors))(*[t.data_ptr() for t in self._bufs_tensors])
         self._eps = ctypes.c_float(layers[0].input_layernorm.eps)
         self._scale = ctypes.c_float(first_attn.scale)
@@ -158,6 +161,14 @@ def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
     return cast("list[DecoderLayer]", list(model.model.layers))
 
 
+def _cache_elem(dtype: torch.dtype, cache_dtype: torch.dtype) -> int | None:
+    """one_stream.cpp's PAGODA_CACHE_ELEM for a model of dtype over a cache of cache_dtype, or None where it
+    has none: the cache must be of the model's dtype, or a float32 model's of bfloat16 or float16."""
+    if cache_dtype == dtype or dtype == torch.float32:
+        return _CACHE_ELEM.get(cache_dtype)
+    return None
+
+
 def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str | None:
     """Why the model's one-stream steps cannot run in one call, or None."""
     cfg = model.config
@@ -176,8 +187,9 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str 
     backend = model.backend
     if not isinstance(backend, CppAttentionBackend) or not backend.kernel_ready or backend.fallback:
         return "the attention backend is not the cpp kernel"
-    if kv_caches[0].spec.quantized or kv_caches[0].k.dtype != dtype or not cpp_supports(kv_caches[0], dtype):
-        return "the KV cache is not one of the model's dtype that the cpp kernel reads"
+    cache = kv_caches[0]
+    if cache.spec.quantized or _cache_elem(dtype, cache.k.dtype) is None or not cpp_supports(cache, dtype):
+        return "the KV cache is not one the cpp kernel reads, of the model's dtype or a float32 model's 16-bit one"
     if any(layer.self_attn.q_norm is not None for layer in layers):
         return "the model has per-head q/k norms"
     tensors = [model.model.embed_tokens.weight, model.model.norm.weight, model.model.rotary.cos,
@@ -198,7 +210,10 @@ def build(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> tuple[OneSt
         return None, 0.0
     start = time.perf_counter()
     try:
-        lib = load_library(_SOURCE, {"ELEM": _ELEM[model.model.embed_tokens.weight.dtype]})
+        dtype = model.model.embed_tokens.weight.dtype
+        cache_elem = _cache_elem(dtype, kv_caches[0].k.dtype)
+        assert cache_elem is not None  # _unsupported checked it
+        lib = load_library(_SOURCE, {"ELEM": _ELEM[dtype], "CACHE_ELEM": cache_elem})
     except Exception as e:  # no C++ compiler, ...
         logger.warning("could not compile the one-call one-stream forward (%s); those steps run eagerly", e)
         return None, time.perf_counter() - start

@@ -2,8 +2,8 @@
 
 bytes per token = layers x 2 (K and V) x kv_heads x (head_dim x element bytes + scale bytes); the
 number of blocks is the budget divided by the bytes of one block (block_size tokens). Elements are
-in the model dtype (kv_cache_dtype "auto") or int8 / fp8 with float16 scales per (token, kv head)
-or per (block, kv head) (see pagoda/layers/kv_quant.py).
+in the model dtype (kv_cache_dtype "auto"), in bfloat16 / float16, or int8 / fp8 with float16 scales per
+(token, kv head) or per (block, kv head) (see pagoda/layers/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class KVCachePlan:
 
 def plan_kv_cache(arch: ArchConfig, dtype: torch.dtype, block_size: int, budget_bytes: int,
                   kv_cache_dtype: str = "auto", scale_granularity: str = "token") -> KVCachePlan:
-    """dtype: the model's; kv_cache_dtype: 'auto' (the model's), 'int8' or 'fp8'."""
+    """dtype: the model's; kv_cache_dtype: 'auto' (the model's), 'bfloat16', 'float16', 'int8' or 'fp8'."""
     spec = kv_cache_spec(kv_cache_dtype, dtype, scale_granularity)
     per_block = arch.num_layers * 2 * spec.bytes_per_block(block_size, arch.num_kv_heads, arch.head_dim)
     scale_bytes = arch.num_layers * 2 * spec.scale_bytes_per_block(block_size, arch.num_kv_heads)
@@ -92,7 +92,7 @@ def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype) -
     scale dequantizes to zeros too). dtype is the model's; with kv_cache_dtype "auto" it is the storage.
     """
     spec = plan.spec
-    assert spec.quantized or spec.storage_dtype == dtype, (spec, dtype)
+    assert spec.quantized or spec.storage_dtype.is_floating_point, (spec, dtype)
     shape = (plan.num_blocks, plan.block_size, arch.num_kv_heads, arch.head_dim)
     scale_shape = spec.scale_shape(plan.num_blocks, plan.block_size, arch.num_kv_heads)
     # One tensor each, not views of one buffer: a compiled graph that writes into caches aliasing one

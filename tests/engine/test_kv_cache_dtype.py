@@ -1,4 +1,4 @@
-"""kv_cache_dtype: the engine end to end with an int8 / fp8 KV cache on a tiny model, capacity from
+"""kv_cache_dtype: the engine end to end with an int8 / fp8 or a 16-bit KV cache on a tiny model, capacity from
 the plan, validation, and `pagoda kv-calc --kv-cache-dtype`."""
 
 from __future__ import annotations
@@ -51,6 +51,30 @@ def test_engine_generates_and_frees_every_block(model_dir: Path, kv_cache_dtype:
     llm.engine.kv.check_invariants()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("backend", ["sdpa", "cpp"])
+def test_16_bit_cache_under_a_float32_model(model_dir: Path, kv_cache_dtype: str, backend: str) -> None:
+    """Chunked prompts and decodes over a bfloat16 / float16 cache: no scales, every block freed, and the greedy
+    tokens' logprobs close to a float32 cache's."""
+    prompts = [[(7 * i + j) % 250 for j in range(n)] for i, n in enumerate([5, 60, 17, 120, 1, 33])]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = {}
+    for kv in ("auto", kv_cache_dtype):
+        llm = LLM(str(model_dir), dtype="float32", kv_cache_dtype=kv, attention_backend=backend,
+                  kv_cache_memory="1MiB", max_num_batched_tokens=48, max_model_len=512)
+        cache = llm.engine.runner.kv_caches[0]
+        assert cache.k.dtype == getattr(torch, "float32" if kv == "auto" else kv) and cache.k_scale is None
+        outs[kv] = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.get_metrics()["kv_blocks_in_use"] == 0
+        llm.engine.kv.check_invariants()
+    for ref, out in zip(outs["auto"], outs[kv_cache_dtype], strict=True):
+        assert len(out.token_ids) == 12
+        # the first token comes from the prompt step; its logprob shows the cache's rounding alone
+        first_ref, first = ref.outputs[0].logprobs[0], out.outputs[0].logprobs[0]
+        token = ref.token_ids[0]
+        assert out.token_ids[0] == token and first[token] == pytest.approx(first_ref[token], abs=0.05)
+
+
 def test_int8_prompt_logprobs_close_to_the_unquantized_cache(model_dir: Path) -> None:
     prompt = [(13 * j) % 250 for j in range(200)]
     params = SamplingParams(prompt_logprobs=0, max_tokens=1)
@@ -71,6 +95,8 @@ def test_capacity_grows_with_quantization() -> None:
         return plan_kv_cache(SMOLLM2, dtype, 16, BUDGET, kv, granularity).num_tokens
 
     f32, bf16, f16 = tokens(torch.float32, "auto"), tokens(torch.bfloat16, "auto"), tokens(torch.float16, "auto")
+    # a 16-bit cache under a float32 model: twice the tokens, as a 16-bit model's
+    assert tokens(torch.float32, "bfloat16") == tokens(torch.float32, "float16") == bf16 == 2 * f32
     for kv in ("int8", "fp8"):
         for granularity in ("token", "block"):
             # The KV dtype, not the model dtype, decides the capacity.
@@ -95,10 +121,10 @@ def test_allocation_matches_the_plan(kv: str, granularity: str) -> None:
 
 
 def test_bad_kv_cache_dtype_names_the_field(model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float16, int8, fp8"):
         LLM(str(model_dir), kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        CacheConfig(kv_cache_dtype="float16")
+        CacheConfig(kv_cache_dtype="float32")
     with pytest.raises(ValueError, match="kv_cache_scale_granularity"):
         EngineConfig.from_options(kv_cache_dtype="int8", kv_cache_scale_granularity="channel")
     assert EngineConfig.from_options(kv_cache_dtype="fp8").cache.kv_cache_dtype == "fp8"

@@ -1,6 +1,6 @@
 """The fused SDPA, C++ and compiled paged backends against the plain torch reference: same outputs on
 mixed steps (fresh prompts, prompt chunks continuing earlier ones, decodes, one-block and one-sequence
-decode groups), for plain and quantized caches."""
+decode groups), for caches in the model's dtype, in bfloat16 / float16 and quantized."""
 
 from __future__ import annotations
 
@@ -19,11 +19,13 @@ from tests.layers.test_kv_quant import run_steps
 
 @pytest.mark.parametrize("backend", [SDPAAttentionBackend, CompiledAttentionBackend])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("storage", ["model", "int8 token", "int8 block"])
+@pytest.mark.parametrize("storage", ["model", "int8 token", "int8 block", "bfloat16"])
 def test_backend_matches_reference(backend: type[PagedAttentionBackend], dtype: torch.dtype, tol: float,
                                    storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16: a cache that rounds what a float32 or float64 model writes (the prompts read it back too)."""
     monkeypatch.setattr("pagoda.layers.attention.compiled.MIN_COMPILED_TOKENS", 0)  # these groups are small
-    spec = KVCacheSpec(dtype) if storage == "model" else KVCacheSpec(torch.int8, storage.split()[1])
+    storage_dtype = {"model": dtype, "int8": torch.int8, "bfloat16": torch.bfloat16}[storage.split()[0]]
+    spec = KVCacheSpec(storage_dtype, *storage.split()[1:])
     ref = run_steps(spec, dtype)
     got = run_steps(spec, dtype, backend=backend())
     for r, o in zip(ref, got, strict=True):
@@ -32,7 +34,8 @@ def test_backend_matches_reference(backend: type[PagedAttentionBackend], dtype: 
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
-@pytest.mark.parametrize("storage", ["model", "int8 token", "int8 block", "fp8 token", "fp8 block"])
+@pytest.mark.parametrize("storage", ["model", "int8 token", "int8 block", "fp8 token", "fp8 block", "bfloat16",
+                                     "float16"])
 def test_cpp_backend_matches_reference(dtype: torch.dtype, tol: float, storage: str,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks of 16 (the kernel's multiple): decodes of 1-32 tokens of context, one or two blocks, each
@@ -41,8 +44,9 @@ def test_cpp_backend_matches_reference(dtype: torch.dtype, tol: float, storage: 
 
     calls = []
     monkeypatch.setattr(cpp, "paged_decode", lambda *a: calls.append(1) or paged_decode(*a))
-    storage_dtype = {"model": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[storage.split()[0]]
-    spec = KVCacheSpec(dtype) if storage == "model" else KVCacheSpec(storage_dtype, storage.split()[1])
+    storage_dtype = {"model": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16,
+                     "float16": torch.float16}[storage.split()[0]]
+    spec = KVCacheSpec(storage_dtype, *storage.split()[1:])
     backend = CppAttentionBackend()
     ref = run_steps(spec, dtype, bs=16)
     got = run_steps(spec, dtype, backend=backend, bs=16)

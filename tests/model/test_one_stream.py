@@ -32,15 +32,19 @@ def _generate(llm: LLM, seeded: bool) -> list[tuple[list[int], list[float]]]:
     return out
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float32+q4_1"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float32+q4_1", "float32+q4_1/bfloat16",
+                                   "float32/float16"])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_matches_the_eager_forward_exactly(tiny_model: tuple[str, Path], seeded: bool, dtype: str) -> None:
-    """float32+q4_1: the linears through the Q4_1 kernel's GEMV-shaped entry point."""
+    """float32+q4_1: the linears through the Q4_1 kernel's GEMV-shaped entry point; /bfloat16, /float16: a float32
+    model's KV cache in that dtype (K and V rounded on write)."""
     arch, folder = tiny_model
+    dtype, _, kv_cache_dtype = dtype.partition("/")
     dtype, _, quantization = dtype.partition("+")
     # no prefix caching: the second run's prompt steps would start from the first's blocks
     llm = LLM(str(folder), dtype=dtype, attention_backend="cpp", enable_prefix_caching=False,
-              quantization=quantization or "none")
+              quantization=quantization or "none", kv_cache_dtype=kv_cache_dtype or "auto")
+    assert llm.engine.runner.kv_caches[0].k.dtype == getattr(torch, kv_cache_dtype or dtype)
     model = llm.engine.model
     if arch == "qwen3":  # per-head q/k norms: not taken
         assert model.one_stream_forward is None
@@ -79,6 +83,7 @@ def test_declines_steps_that_are_not_one_decode(tiny_model: tuple[str, Path]) ->
     (dict(dtype="float16"), "not bfloat16 or float32"),
     (dict(dtype="bfloat16", attention_backend="sdpa"), "not the cpp kernel"),
     (dict(dtype="bfloat16", kv_cache_dtype="int8"), "KV cache"),
+    (dict(dtype="bfloat16", kv_cache_dtype="float16"), "KV cache"),
     (dict(dtype="bfloat16", fused_ops=False), "fused elementwise ops are off"),
 ])
 def test_left_out_where_its_kernels_are(tiny_model: tuple[str, Path], caplog: pytest.LogCaptureFixture,

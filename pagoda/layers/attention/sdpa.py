@@ -3,8 +3,9 @@
 Same contract as the reference backend (`torch_ref.py`), which it is tested against. Differences:
 - the fused kernel (flash attention on CPU) instead of separate matmul / mask / softmax ops;
 - a prompt chunk with no earlier context attends to its own K/V as computed this step (causal),
-  without gathering them back from the cache, unless the cache is quantized (then every query
-  reads the stored values, so results do not depend on how the prompt was chunked);
+  without gathering them back from the cache, unless the cache rounds them (quantized, or a dtype other
+  than the model's): then every query reads the stored values, so results do not depend on how the prompt
+  was chunked;
 - GQA through `enable_gqa`, without repeating K/V in our code.
 """
 
@@ -29,7 +30,7 @@ class SDPAAttentionBackend(PagedAttentionBackend):
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
         n = q.shape[0]
-        if seq_len == n and not kv_cache.spec.quantized:
+        if seq_len == n and not kv_cache.spec.rounds(q.dtype):
             return _attend(q, k, v, None, scale)  # the whole context is this chunk: causal, no gather
         keys, values = kv_cache.gather(block_table, q.dtype)  # (num_blocks_i, bs, Hkv, D)
         q_pos = torch.arange(seq_len - n, seq_len).unsqueeze(1)  # (n, 1): each query's position
