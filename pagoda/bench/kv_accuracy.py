@@ -1,7 +1,7 @@
-"""Accuracy cost of a quantized KV cache on a real model: `python -m pagoda.bench.kv_accuracy`.
+"""Accuracy cost of a 16-bit or quantized KV cache on a real model: `python -m pagoda.bench.kv_accuracy`.
 
-For each KV cache layout (int8 and fp8, with scales per (token, kv head) or per (block, kv head)),
-against the unquantized cache ("auto", the model dtype) on the same weights:
+For each KV cache layout (bfloat16 and float16; int8 and fp8, with scales per (token, kv head) or per
+(block, kv head)), against the cache in the model dtype ("auto") on the same weights:
 
 - Greedy top-1 agreement: the unquantized cache decodes N chat prompts greedily for L tokens each.
   Each quantized cache is then teacher-forced along those same trajectories, one token per sequence
@@ -34,7 +34,8 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.worker.kv_cache import allocate_kv_cache, plan_kv_cache
 
 KVLayout = tuple[str, str]  # (kv_cache_dtype, kv_cache_scale_granularity)
-LAYOUTS: list[KVLayout] = [("int8", "token"), ("int8", "block"), ("fp8", "token"), ("fp8", "block")]
+LAYOUTS: list[KVLayout] = [("bfloat16", "token"), ("float16", "token"), ("int8", "token"), ("int8", "block"),
+                           ("fp8", "token"), ("fp8", "block")]  # the granularity of a 16-bit cache is unused
 REFERENCE: KVLayout = ("auto", "token")
 DEFAULT_CORPUS = ["/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0"]
 PROMPTS = [
@@ -202,8 +203,10 @@ def report(results: list[LayoutResult]) -> str:
 
 def parse_layout(value: str) -> KVLayout:
     dtype, _, granularity = value.partition(":")
+    if dtype in ("bfloat16", "float16") and not granularity:
+        return dtype, "token"
     if dtype not in ("int8", "fp8") or granularity not in ("token", "block"):
-        raise argparse.ArgumentTypeError(f"expected int8|fp8:token|block, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected bfloat16, float16 or int8|fp8:token|block, got {value!r}")
     return dtype, granularity
 
 
@@ -212,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto", help="model dtype (auto = float32 on CPU)")
     p.add_argument("--layouts", type=parse_layout, nargs="+", default=LAYOUTS,
-                   help="KV layouts to compare with auto, e.g. int8:token fp8:block")
+                   help="KV layouts to compare with auto, e.g. bfloat16 int8:token fp8:block")
     p.add_argument("--num-prompts", type=int, default=16, help=f"greedy prompts (at most {len(PROMPTS)})")
     p.add_argument("--gen-len", type=int, default=128, help="generated tokens per prompt")
     p.add_argument("--corpus", nargs="+", default=DEFAULT_CORPUS, help="text files for the perplexity")
