@@ -25,8 +25,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache budget, bytes or a size like 512MiB (default: 20%% of free RAM, at most 4GiB)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache storage: auto = the model dtype; int8 or fp8 (e4m3) with a float16 scale "
-                        "per (token, kv head)")
+                   help="KV cache storage: auto = the model dtype; float16 or bfloat16 (a float32 model's K and V "
+                        "rounded to 16 bits: twice the tokens); int8 or fp8 (e4m3) with a float16 scale per "
+                        "(token, kv head)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -272,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--block-size", type=int, default=16)
     kv.add_argument("--kv-cache-memory", default=None, help="budget, e.g. 512MiB (default: as the engine)")
     kv.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                    help="auto = the model dtype; int8 or fp8 with float16 scales")
+                    help="auto = the model dtype; float16 or bfloat16; int8 or fp8 with float16 scales")
     kv.add_argument("--context-len", type=int, action="append", help="context length (repeatable)")
     kv.add_argument("--json", action="store_true")
     add_serve_parser(sub)

@@ -89,3 +89,29 @@ def test_bfloat16_not_packed_where_onednn_cannot(monkeypatch: pytest.MonkeyPatch
     added, rows = linear.prepack_linears(model)
     assert not linear.is_packed(model[0]) and linear.is_packed(model[1])
     assert added == model[1].weight.numel() * 4 and rows == linear.PACKED_ROWS[torch.float32]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_wide_float32_linear_by_column_chunks(monkeypatch: pytest.MonkeyPatch, bias: bool) -> None:
+    """A float32 linear of at least WIDE_MIN_COLS columns (the lm_head) runs F.linear over chunks of
+    WIDE_CHUNK_COLS columns beyond the GEMV's rows (a last, partial chunk included) and gives F.linear's result;
+    narrower ones and the GEMV's steps are left whole."""
+    monkeypatch.setattr(linear, "WIDE_MIN_COLS", 100)
+    monkeypatch.setattr(linear, "WIDE_CHUNK_COLS", 48)
+    wide, narrow = nn.Linear(40, 130, bias=bias), nn.Linear(40, 99, bias=bias)
+    model = nn.Sequential(wide, narrow)
+    assert linear.enable_gemv(model) >= 0
+    calls: list[int] = []
+    original = F.linear
+    monkeypatch.setattr(linear.F, "linear", lambda x, w, b=None: calls.append(w.shape[0]) or original(x, w, b))
+    for rows in (linear.GEMV_MAX_ROWS + 1, 37):
+        x = torch.randn(rows, 40)
+        calls.clear()
+        torch.testing.assert_close(wide(x), original(x, wide.weight, wide.bias), rtol=1e-6, atol=1e-6)
+        assert calls == [48, 48, 34]
+        calls.clear()
+        torch.testing.assert_close(narrow(x), original(x, narrow.weight, narrow.bias), rtol=1e-6, atol=1e-6)
+        assert calls == [99]
+    calls.clear()
+    wide(torch.randn(1, 40))  # the GEMV's
+    assert calls == []
