@@ -53,9 +53,10 @@ GEMV_DTYPES = (torch.bfloat16, torch.float32)
 
 # A float32 linear at least WIDE_MIN_COLS wide (the lm_head: 49,152 columns for the default model) that F.linear
 # runs multiplies WIDE_CHUNK_COLS columns at a time: on the AVX2 machine, MKL's sgemm over the whole (49,152 x 576)
-# weight took 1.24-1.66x as long as over chunks of 512 columns at 8-512 rows (1.35-1.66x for 512-column chunks,
-# 256 and 1,024 slightly worse), with the same bits in every case measured (ad hoc, BENCHMARKS.md). Chunks of
-# the layers' widths (960-3,072 columns) gained nothing (0.85-1.19x), so narrower linears stay whole.
+# weight took 1.15-1.35x as long as over chunks of 512 columns at 8-512 rows (with the engine's allocator
+# setting; 256 and 1,024 columns did about as well), with the same bits in every case measured (ad hoc,
+# BENCHMARKS.md). In whole engine steps the gain was within the machine's drift. Chunks of the layers' widths
+# (960-3,072 columns) gained nothing (0.85-1.19x), so narrower linears stay whole.
 WIDE_MIN_COLS = 8192
 WIDE_CHUNK_COLS = 512
 

@@ -78,12 +78,13 @@ def test_16_bit_cache_under_a_float32_model(model_dir: Path, kv_cache_dtype: str
 def test_16_bit_cache_under_the_compiled_forward(model_dir: Path) -> None:
     """--compile-model over a float16 cache: the compiled forward writes and reads it through the attention op
     (the one-stream graph, which holds caches of the model's dtype, is left out) and gives the eager
-    forward's tokens."""
+    forward's tokens. A float64 model, as in test_correctness, so that the two forwards' own rounding cannot
+    flip a near tie."""
     prompts = [[(7 * i + j) % 250 for j in range(n)] for i, n in enumerate([5, 60, 17])]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     outs = []
     for compile_model in (False, True):
-        llm = LLM(str(model_dir), dtype="float32", kv_cache_dtype="float16", compile_model=compile_model,
+        llm = LLM(str(model_dir), dtype="float64", kv_cache_dtype="float16", compile_model=compile_model,
                   kv_cache_memory="1MiB", max_num_batched_tokens=48)
         model = llm.engine.model
         assert (model.compiled_forward is not None) == compile_model and model.compiled_one_stream is None
