@@ -51,28 +51,20 @@ PACKED_ROWS: dict[torch.dtype, range] = {torch.float32: range(3, 97), torch.bflo
 GEMV_MAX_ROWS = 4
 GEMV_DTYPES = (torch.bfloat16, torch.float32)
 
-# A float32 linear at least WIDE_MIN_COLS wide (the lm_head: 49,152 columns for the default model) that F.linear
-# runs multiplies WIDE_CHUNK_COLS columns at a time: on the AVX2 machine, MKL's sgemm over the whole (49,152 x 576)
-# weight took 1.15-1.35x as long as over chunks of 512 columns at 8-512 rows (with the engine's allocator
-# setting; 256 and 1,024 columns did about as well), with the same bits in every case measured (ad hoc,
-# BENCHMARKS.md). In whole engine steps the gain was within the machine's drift. Chunks of the layers' widths
-# (960-3,072 columns) gained nothing (0.85-1.19x), so narrower linears stay whole.
-WIDE_MIN_COLS = 8192
-WIDE_CHUNK_COLS = 512
-
-
-def _chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) computed WIDE_CHUNK_COLS output columns at a time (x 2-D)."""
-    n, c = weight.shape[0], WIDE_CHUNK_COLS
-    return torch.cat([F.linear(x, weight[s:s + c], None if bias is None else bias[s:s + c]) for s in range(0, n, c)],
-                     dim=1)
+# Float32 linears beyond the GEMV's rows that have no packed weight go to oneDNN's matmul on the plain weight, not
+# F.linear (MKL's sgemm): on the AVX2 machine (an AMD CPU, where MKL's sgemm ran at 20-90 GFLOP/s on these
+# shapes) oneDNN was 1.22-1.63x faster on the fused gate/up projection at 8-2,048 rows and 1.65-1.99x on the
+# lm_head (576 -> 49,152) at 8-512 rows, within 0.9-1.3x on the others; float32 decode steps of 16 and 64
+# requests ran 1.19x and 1.16x faster (alternated in one process, ad hoc; BENCHMARKS.md). Its sums run in
+# another order: results differ from F.linear's by float32 rounding (~1e-4 on outputs of ~20).
+ONEDNN_FLOAT32 = True
 
 
 def _forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     """The forward of a linear with the paths this module adds, each taken where it applies: the C++ GEMV
     (layer._pagoda_gemv, set by enable_gemv) for 1-GEMV_MAX_ROWS rows, the oneDNN-packed weight
-    (layer._pagoda_packed, set by prepack_linears) for PACKED_ROWS, F.linear otherwise (by column chunks for a
-    wide float32 layer: WIDE_MIN_COLS)."""
+    (layer._pagoda_packed, set by prepack_linears) for PACKED_ROWS, oneDNN on the plain weight for other float32
+    steps (ONEDNN_FLOAT32), F.linear otherwise."""
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -83,8 +75,8 @@ def _forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         packed = layer._pagoda_packed
         if packed is not None and rows in PACKED_ROWS[layer.weight.dtype]:
             return linear_pointwise(x, packed, layer.bias, "none", [], "")
-        if rows and layer.out_features >= WIDE_MIN_COLS and layer.weight.dtype == x.dtype == torch.float32:
-            return _chunked_linear(x, layer.weight, layer.bias)
+        if rows and ONEDNN_FLOAT32 and layer.weight.dtype == x.dtype == torch.float32 and x.is_contiguous():
+            return linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
         return F.linear(x, layer.weight, layer.bias)
 
     return forward

@@ -92,26 +92,20 @@ def test_bfloat16_not_packed_where_onednn_cannot(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_wide_float32_linear_by_column_chunks(monkeypatch: pytest.MonkeyPatch, bias: bool) -> None:
-    """A float32 linear of at least WIDE_MIN_COLS columns (the lm_head) runs F.linear over chunks of
-    WIDE_CHUNK_COLS columns beyond the GEMV's rows (a last, partial chunk included) and gives F.linear's result;
-    narrower ones and the GEMV's steps are left whole."""
-    monkeypatch.setattr(linear, "WIDE_MIN_COLS", 100)
-    monkeypatch.setattr(linear, "WIDE_CHUNK_COLS", 48)
-    wide, narrow = nn.Linear(40, 130, bias=bias), nn.Linear(40, 99, bias=bias)
-    model = nn.Sequential(wide, narrow)
-    assert linear.enable_gemv(model) >= 0
-    calls: list[int] = []
-    original = F.linear
-    monkeypatch.setattr(linear.F, "linear", lambda x, w, b=None: calls.append(w.shape[0]) or original(x, w, b))
-    for rows in (linear.GEMV_MAX_ROWS + 1, 37):
+def test_float32_steps_beyond_the_gemv_go_to_onednn(monkeypatch: pytest.MonkeyPatch, bias: bool) -> None:
+    """enable_gemv: a float32 linear without a packed weight takes oneDNN's matmul on its plain weight beyond the
+    GEMV's rows, with F.linear's result up to float32 rounding; with ONEDNN_FLOAT32 off, F.linear."""
+    dnn_calls: list[int] = []
+    pointwise = torch.ops.mkldnn._linear_pointwise  # looked up when a layer's forward is built: patch first
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *a: dnn_calls.append(x.shape[0]) or pointwise(x, *a), raising=False)
+    layer = nn.Linear(40, 130, bias=bias)
+    assert linear.enable_gemv(nn.Sequential(layer)) >= 0 and not linear.is_packed(layer)
+    top = linear.GEMV_MAX_ROWS
+    for rows in (1, top, top + 1, 37, 300):
         x = torch.randn(rows, 40)
-        calls.clear()
-        torch.testing.assert_close(wide(x), original(x, wide.weight, wide.bias), rtol=1e-6, atol=1e-6)
-        assert calls == [48, 48, 34]
-        calls.clear()
-        torch.testing.assert_close(narrow(x), original(x, narrow.weight, narrow.bias), rtol=1e-6, atol=1e-6)
-        assert calls == [99]
-    calls.clear()
-    wide(torch.randn(1, 40))  # the GEMV's
-    assert calls == []
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert dnn_calls == [top + 1, 37, 300]
+    monkeypatch.setattr(linear, "ONEDNN_FLOAT32", False)
+    x = torch.randn(37, 40)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)) and dnn_calls == [top + 1, 37, 300]
