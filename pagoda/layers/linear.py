@@ -11,6 +11,8 @@ So each packed layer keeps both copies and picks by the number of rows: the pack
 PACKED_ROWS[dtype], the plain one otherwise (one float32 stream, large prompt chunks). The cost is a
 second copy of every linear weight (the tied lm_head included). Results differ from F.linear by float
 rounding only. Not combined with --compile-model, whose graph would have to branch on the token count.
+The figures above compare with F.linear; a float32 layer's plain weight now goes to oneDNN too (ONEDNN_FLOAT32,
+below), which narrows what packing adds (not measured since).
 
 For one stream (1-GEMV_MAX_ROWS rows) of a bfloat16 model, oneDNN packed or not reads the weights at about
 a third of the memory's speed; a GEMV of our own (`gemv.cpp`, enabled with the fused ops) streams them
