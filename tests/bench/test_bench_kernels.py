@@ -134,9 +134,10 @@ def test_linear_stream_compares_equal_results(capsys: pytest.CaptureFixture[str]
     assert [r["rows"] for r in rows] == [1, 5]
     assert all(r["linear_ms"] > 0 and r["onednn_packed_ms"] > 0 and r["layers"] == 1 for r in rows)
     assert rows[0]["gemv_ms"] > 0 and "gemv_ms" not in rows[1]  # float32 at 1-4 rows: also the C++ GEMV
+    assert all(r["onednn_plain_ms"] > 0 for r in rows)  # float32: also oneDNN on the plain weight
     rows = run_module(main, ["--rows", "1,5", "--layers", "1", "--repeats", "1", "--dtype", "bfloat16"], capsys,
                       monkeypatch)
-    assert rows[0]["gemv_ms"] > 0 and "gemv_ms" not in rows[1]  # bfloat16 the same
+    assert rows[0]["gemv_ms"] > 0 and "gemv_ms" not in rows[1] and "onednn_plain_ms" not in rows[0]  # bfloat16
     bf16_packable = packable_rows(torch.bfloat16) is not None  # where oneDNN cannot, no packed side
     assert all((r["onednn_packed_ms"] is not None) == bf16_packable for r in rows)
 
