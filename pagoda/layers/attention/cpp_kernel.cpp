@@ -33,6 +33,23 @@ constexpr int64_t NT = BS / L, ND = D / L;
 constexpr int64_t splits(int64_t chains) { return chains >= 8 ? 1 : chains >= 4 ? 2 : 4; }
 constexpr int64_t DS = splits(G * NT);  // a decode's; R query rows have R * G * NT chains (attend_span)
 
+#if defined(__AVX512F__)
+constexpr int64_t VECTOR_REGISTERS = 32;
+#else
+constexpr int64_t VECTOR_REGISTERS = 16;
+#endif
+// Output vectors the V loop keeps in registers: three quarters of them (24 of AVX-512's 32, 12 of AVX2's 16).
+constexpr int64_t ACC_REGISTERS = VECTOR_REGISTERS * 3 / 4;
+// The V loop adds each token's V row into the outputs of RG query vectors (RG * ND vectors). Where they do not
+// fit in ACC_REGISTERS (AVX2: 3 x 8 for the default model), it takes VC of each row's ND vectors per pass over
+// the step's tokens: GCC had kept the 24 accumulators in memory, a load and a store per multiply-add, and the
+// stores bound the loop. The largest divisor of ND that fits, at least 1.
+constexpr int64_t out_vectors(int64_t rg) {
+  int64_t vc = ND;
+  while (vc > 1 && (rg * vc > ACC_REGISTERS || ND % vc != 0)) --vc;
+  return vc;
+}
+
 // L consecutive cache elements as float32.
 #if PAGODA_ELEM == 0
 using elem_t = float;
@@ -167,6 +184,9 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
                         float* m, float* l, float* acc) {
   constexpr int64_t RG = R * G;  // query vectors per KV head
   constexpr int64_t DSR = splits(RG * NT);  // DS for R rows
+  // Output vectors per V pass. A decode's (R = 1) V rows come from memory and its loop waits for them: in passes it
+  // ran 0.95-0.98x as fast (AVX2, `bench.decode_attention --versus-rev`), so it keeps one.
+  constexpr int64_t VC = R == 1 ? ND : out_vectors(RG);
   // A prompt's tiles reread the same blocks, which stay in L2: only decodes prefetch.
   constexpr bool prefetch = R == 1 && PREFETCH_AHEAD > 0;
   alignas(64) float s[R * HQ][CB * BS];  // the step's scores, then its softmax weights
@@ -255,33 +275,42 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
       }
     }
     for (int64_t h = 0; h < HKV; ++h) {
-      vf a[RG][ND];
-      for (int64_t r = 0; r < R; ++r) std::memcpy(a[r * G], acc + (r * HQ + h * G) * D, G * sizeof(a[0]));
-      for (int64_t c = 0; c < nb; ++c) {
-        const int64_t block = blocks[j + c];
-        const int64_t nt = std::min<int64_t>(BS, ntok - c * BS);
-        for (int64_t t = 0; t < nt; ++t) {
-          if constexpr (prefetch) pf.step();
-          const elem_t* vr = v + ((block * BS + t) * HKV + h) * D;
+      // VC of the D / L output vectors at a time (all of them where they fit in registers)
+      for (int64_t i0 = 0; i0 < ND; i0 += VC) {
+        vf a[RG][VC];
+        for (int64_t rg = 0; rg < RG; ++rg) {
+          std::memcpy(a[rg], acc + ((rg / G) * HQ + h * G + rg % G) * D + i0 * L, sizeof(a[0]));
+        }
+        for (int64_t c = 0; c < nb; ++c) {
+          const int64_t block = blocks[j + c];
+          const int64_t nt = std::min<int64_t>(BS, ntok - c * BS);
+          for (int64_t t = 0; t < nt; ++t) {
+            if constexpr (prefetch) {
+              if (i0 == 0) pf.step();  // paced by the tokens, as if in one pass
+            }
+            const elem_t* vr = v + ((block * BS + t) * HKV + h) * D + i0 * L;
 #if PAGODA_SCALES == 1
-          const float sc = float(vscale[(block * BS + t) * HKV + h]);
+            const float sc = float(vscale[(block * BS + t) * HKV + h]);
 #elif PAGODA_SCALES == 2
-          const float sc = float(vscale[block * HKV + h]);
+            const float sc = float(vscale[block * HKV + h]);
 #else
-          const float sc = 1.0f;
+            const float sc = 1.0f;
 #endif
-          vf vd[ND];
+            vf vd[VC];
 #pragma GCC unroll 16
-          for (int64_t i = 0; i < ND; ++i) vd[i] = load16(vr + i * L, table);
+            for (int64_t i = 0; i < VC; ++i) vd[i] = load16(vr + i * L, table);
 #pragma GCC unroll 16
-          for (int64_t rg = 0; rg < RG; ++rg) {
-            const float w = s[(rg / G) * HQ + h * G + rg % G][c * BS + t] * sc;
+            for (int64_t rg = 0; rg < RG; ++rg) {
+              const float w = s[(rg / G) * HQ + h * G + rg % G][c * BS + t] * sc;
 #pragma GCC unroll 16
-            for (int64_t i = 0; i < ND; ++i) a[rg][i] += w * vd[i];
+              for (int64_t i = 0; i < VC; ++i) a[rg][i] += w * vd[i];
+            }
           }
         }
+        for (int64_t rg = 0; rg < RG; ++rg) {
+          std::memcpy(acc + ((rg / G) * HQ + h * G + rg % G) * D + i0 * L, a[rg], sizeof(a[0]));
+        }
       }
-      for (int64_t r = 0; r < R; ++r) std::memcpy(acc + (r * HQ + h * G) * D, a[r * G], G * sizeof(a[0]));
     }
     if constexpr (prefetch) pf.finish();
   }
@@ -339,15 +368,11 @@ extern "C" void pagoda_paged_decode(const float* q_in, const elem_t* k, const el
   }
 }
 
-// Query rows per work item of a prompt: its R * G query vectors' outputs (R * G * ND vectors) stay in registers
-// through the V loop, so R is as large as three quarters of the vector registers allow (24 of AVX-512's 32: 2
-// rows for the default model; 12 of AVX2's 16: 1 row).
-#if defined(__AVX512F__)
-constexpr int64_t VECTOR_REGISTERS = 32;
-#else
-constexpr int64_t VECTOR_REGISTERS = 16;
-#endif
-constexpr int64_t PREFILL_ROWS = std::max<int64_t>(1, std::min<int64_t>(8, VECTOR_REGISTERS * 3 / 4 / (G * ND)));
+// Query rows per work item of a prompt, which share each load of K and V. Where a row's G * ND output vectors fit
+// in ACC_REGISTERS, as many rows as fit whole (AVX-512: 2 for the default model); otherwise as many as fit two of
+// each row's vectors per pass (out_vectors; AVX2: 2 rows of 3 heads, whose K loop then has 12 accumulators).
+constexpr int64_t PREFILL_ROWS = std::max<int64_t>(
+    1, std::min<int64_t>(8, G * ND <= ACC_REGISTERS ? ACC_REGISTERS / (G * ND) : ACC_REGISTERS / (G * 2)));
 
 // Causal attention for n consecutive queries of one sequence (a prompt or a chunk of one), the last at
 // position seq_len - 1, over its context in the paged cache (this chunk's K and V already written there):
