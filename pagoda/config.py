@@ -62,7 +62,7 @@ class ModelConfig:
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     compile_model: bool = False  # torch.compile the forward pass at start-up (pagoda/model/compiled_forward.py)
     # oneDNN-packed float32/bfloat16 weights for decode-sized steps (pagoda/layers/linear.py). None (auto): for
-    # bfloat16 models whose packed copy takes at most PREPACK_AUTO_MAX_BYTES, not with compile_model
+    # float32 and bfloat16 models whose packed copy takes at most PREPACK_AUTO_MAX_BYTES, not with compile_model
     prepack_weights: bool | None = None
     # elementwise steps in C++ for float32/16-bit models (pagoda/layers/elementwise.py), the sampler's plain rows
     # (pagoda/layers/sampler.py) and bfloat16 linears of 1-4-row steps (pagoda/layers/gemv.cpp)

@@ -1,5 +1,5 @@
 """Linear layers on oneDNN-packed weights for decode-sized batches (`--prepack-weights`; by default for
-bfloat16 models whose packed copy takes at most PREPACK_AUTO_MAX_BYTES).
+float32 and bfloat16 models whose packed copy takes at most PREPACK_AUTO_MAX_BYTES).
 
 With M rows (the requests of a decode step), `F.linear` on a plain weight costs far more than reading
 the weight. oneDNN on the same weights reordered once into its blocked layout does better, by dtype
@@ -12,7 +12,7 @@ PACKED_ROWS[dtype], the plain one otherwise (one float32 stream, large prompt ch
 second copy of every linear weight (the tied lm_head included). Results differ from F.linear by float
 rounding only. Not combined with --compile-model, whose graph would have to branch on the token count.
 The figures above compare with F.linear; a float32 layer's plain weight now goes to oneDNN too (ONEDNN_FLOAT32,
-below), which narrows what packing adds (not measured since).
+below), and the packed weight is still 1.15-1.36x faster at 8-64 rows, as fast at 128 (AVX2, 2026-12-02).
 
 For one stream (1-GEMV_MAX_ROWS rows) of a bfloat16 model, oneDNN packed or not reads the weights at about
 a third of the memory's speed; a GEMV of our own (`gemv.cpp`, enabled with the fused ops) streams them
@@ -145,9 +145,11 @@ def enable_gemv(model: nn.Module, portable: bool = False) -> float:
     return seconds
 
 
-# `prepack_weights` left to the engine (None) packs bfloat16 models whose copy takes at most this much: the
-# 128-request workload ran 1.23x and 1.31x faster end to end with the default model (+270 MB), while larger
-# models' copies cost more memory for a share of the step that was not measured (BENCHMARKS.md).
+# `prepack_weights` left to the engine (None) packs float32 and bfloat16 models whose copy takes at most this much,
+# while larger models' copies cost more memory for a share of the step that was not measured (BENCHMARKS.md). With
+# the default model: bfloat16's 128-request workload ran 1.23x and 1.31x faster end to end (+270 MB, Xeon); float32
+# decode steps of 16 and 64 requests 1.13x and 1.11x faster than oneDNN on the plain weights (+540 MB; AVX2,
+# `bench.decode_step --versus packed-weights`), the packed weights 1.15-1.36x at 8-64 rows (`bench.linear_stream`).
 PREPACK_AUTO_MAX_BYTES = 1 << 30
 
 
@@ -162,16 +164,16 @@ def packable_rows(dtype: torch.dtype) -> range | None:
 
 
 def should_prepack(model: nn.Module, dtype: torch.dtype, asked: bool | None, compile_model: bool) -> bool:
-    """Whether the engine packs the model's linears: as asked, or by default (asked is None) for bfloat16
-    models whose copy fits PREPACK_AUTO_MAX_BYTES, except with compile_model (whose graph cannot branch on
-    the token count)."""
+    """Whether the engine packs the model's linears: as asked, or by default (asked is None) for float32 and
+    bfloat16 models whose copy fits PREPACK_AUTO_MAX_BYTES, except with compile_model (whose graph cannot branch
+    on the token count) and where no layer would be packed (all quantized: q4_1)."""
     if asked is not None:
         return asked
-    if dtype != torch.bfloat16 or compile_model or packable_rows(dtype) is None:
+    if dtype not in PACKED_ROWS or compile_model or packable_rows(dtype) is None:
         return False
     copy = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-               if isinstance(m, nn.Linear) and m.weight.dtype in PACKED_ROWS)
-    return copy <= PREPACK_AUTO_MAX_BYTES
+               if isinstance(m, nn.Linear) and not is_quantized(m) and m.weight.dtype in PACKED_ROWS)
+    return 0 < copy <= PREPACK_AUTO_MAX_BYTES
 
 
 def prepack_linears(model: nn.Module) -> tuple[int, range | None]:

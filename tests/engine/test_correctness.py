@@ -97,22 +97,27 @@ def test_all_together_with_preemption(tiny_model: tuple[str, Path], reference: l
 
 def test_prepack_weights_by_default_for_small_bfloat16_models(tiny_model: tuple[str, Path],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """prepack_weights left to the engine: bfloat16 models are packed (where oneDNN packs bfloat16 on this
-    CPU), float32 ones are not, nor a bfloat16 model whose copy would exceed PREPACK_AUTO_MAX_BYTES; asking
-    decides either way."""
+    """prepack_weights left to the engine: float32 and bfloat16 models are packed (bfloat16 where oneDNN packs
+    bfloat16 on this CPU), float64 and q4_1 ones not, nor a model whose copy would exceed PREPACK_AUTO_MAX_BYTES;
+    asking decides either way."""
     from torch import nn
 
     import pagoda.layers.linear as linear
+    from pagoda.layers.q4_linear import is_quantized
 
     def packed(**kwargs: object) -> bool:
         model = LLM(str(tiny_model[1]), **kwargs).engine.model
         return any(linear.is_packed(m) for m in model.modules() if isinstance(m, nn.Linear))
 
     # BF16_PACKABLE is False on AVX2 CPUs: nothing packed, no error
-    assert packed(dtype="bfloat16") == BF16_PACKABLE and not packed(dtype="float32")
-    assert packed(dtype="float32", prepack_weights=True) and not packed(dtype="bfloat16", prepack_weights=False)
+    assert packed(dtype="bfloat16") == BF16_PACKABLE and packed(dtype="float32") and not packed(dtype="float64")
+    q4_model = LLM(str(tiny_model[1]), dtype="float32", quantization="q4_1").engine.model
+    quantized = [m for m in q4_model.modules() if isinstance(m, nn.Linear) and is_quantized(m)]
+    assert quantized and not any(linear.is_packed(m) for m in quantized)  # only float layers get a packed copy
+    assert not packed(dtype="float32", prepack_weights=False) and not packed(dtype="bfloat16", prepack_weights=False)
     monkeypatch.setattr(linear, "PREPACK_AUTO_MAX_BYTES", 1024)
     assert not packed(dtype="bfloat16") and packed(dtype="bfloat16", prepack_weights=True) == BF16_PACKABLE
+    assert not packed(dtype="float32") and packed(dtype="float32", prepack_weights=True)
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(

@@ -161,6 +161,9 @@ def test_quantize_linears_frees_the_float_weights_and_other_paths_leave_them_alo
     assert q4_linear.is_quantized(model.lm_head) and not q4_linear.is_q4(model.lm_head)
     assert model.lm_head.weight.shape == (48, 64)
     before = [model.block[0](x), model.lm_head(x)]
+    assert linear.should_prepack(model, torch.float32, None, compile_model=False)  # block[1] is still float
+    assert not linear.should_prepack(nn.Sequential(model.block[0], model.lm_head), torch.float32, None,
+                                     compile_model=False)  # all quantized: nothing the default would pack
     linear.enable_gemv(model)
     linear.prepack_linears(model)
     for layer, out in zip((model.block[0], model.lm_head), before, strict=True):
