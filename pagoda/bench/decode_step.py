@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--compile-model", action="store_true", help="torch.compile the forward pass")
     p.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="oneDNN-packed linear weights (default: the engine's choice, on for bfloat16)")
+                   help="oneDNN-packed linear weights (default: the engine's choice, on for float32 and bfloat16)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (default: the engine's)")

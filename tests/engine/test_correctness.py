@@ -95,8 +95,8 @@ def test_all_together_with_preemption(tiny_model: tuple[str, Path], reference: l
     assert metrics["kv_blocks_in_use"] == 0
 
 
-def test_prepack_weights_by_default_for_small_bfloat16_models(tiny_model: tuple[str, Path],
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prepack_weights_by_default_for_small_float32_and_bfloat16_models(tiny_model: tuple[str, Path],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """prepack_weights left to the engine: float32 and bfloat16 models are packed (bfloat16 where oneDNN packs
     bfloat16 on this CPU), float64 and q4_1 ones not, nor a model whose copy would exceed PREPACK_AUTO_MAX_BYTES;
     asking decides either way."""

@@ -162,9 +162,8 @@ def prefill_in_kernel(dtype: torch.dtype, n: int, seq_len: int) -> bool:
     Float32 models: always (1.1-1.7x SDPA's speed on fresh prompts of 64-1,024 tokens on the Xeon, 1.6-2.0x at
     512 on the AVX2 machine; 0.9-2.9x on continued chunks). Other dtypes (where the AMX kernel does not apply):
     only short chunks after an earlier context. This kernel's arithmetic is float32 fused multiply-adds, 100-160
-    GFLOP/s on the Xeon; SDPA's bfloat16 matmuls use
-    AMX, and in bfloat16 the loop runs at 0.4-0.9x SDPA's speed on fresh prompts. `python -m
-    pagoda.bench.prompt_attention --paged`, BENCHMARKS.md ("Prompt attention in C++")."""
+    GFLOP/s on the Xeon; SDPA's bfloat16 matmuls use AMX, and in bfloat16 the loop runs at 0.4-0.9x SDPA's speed on
+    fresh prompts. `python -m pagoda.bench.prompt_attention --paged`, BENCHMARKS.md ("Prompt attention in C++")."""
     return dtype == torch.float32 or n < seq_len and n <= PREFILL_KERNEL_MAX_CHUNK
 
 
