@@ -169,7 +169,7 @@ def should_prepack(model: nn.Module, dtype: torch.dtype, asked: bool | None, com
     on the token count) and where no layer would be packed (all quantized: q4_1)."""
     if asked is not None:
         return asked
-    if dtype not in PACKED_ROWS or compile_model or packable_rows(dtype) is None:
+    if compile_model or packable_rows(dtype) is None:  # None also for dtypes without PACKED_ROWS (float64)
         return False
     copy = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                if isinstance(m, nn.Linear) and not is_quantized(m) and m.weight.dtype in PACKED_ROWS)
