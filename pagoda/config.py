@@ -68,8 +68,8 @@ class ModelConfig:
     # (pagoda/layers/sampler.py) and bfloat16 linears of 1-4-row steps (pagoda/layers/gemv.cpp)
     fused_ops: bool = True
     # "q4_1": the decoder's linears run 4-bit Q4_1 weights (the lm_head 8-bit Q8_0) against int8 activations,
-    # llama.cpp's arithmetic for a Q4_1 file (pagoda/layers/q4_linear.py); float32 models only. "none": the
-    # weights as loaded.
+    # llama.cpp's arithmetic for a Q4_1 file (pagoda/layers/q4_linear.py); "q8_0": every linear 8-bit Q8_0
+    # weights, likewise; float32 models only. "none": the weights as loaded.
     quantization: str = "none"
 
     def __post_init__(self) -> None:
@@ -94,7 +94,7 @@ class ModelConfig:
         return torch.float32 if self.dtype == "auto" else DTYPES[self.dtype]
 
 
-QUANTIZATIONS = ("none", "q4_1")  # ModelConfig.quantization
+QUANTIZATIONS = ("none", "q4_1", "q8_0")  # ModelConfig.quantization
 
 # auto: the model dtype; bfloat16 / float16: 16-bit floats (under a float32 model: half the bytes); int8 / fp8
 # (float8 e4m3): quantized with float16 scales (pagoda/layers/kv_quant.py)

@@ -1,4 +1,4 @@
-"""Accuracy of a model dtype, or of float32 with --quantization q4_1, against float32 on the default model:
+"""Accuracy of a model dtype, or of float32 with --quantization q4_1 or q8_0, against float32 on the default model:
 perplexity on a text corpus that ships with the machine and the top-1 agreement of every next-token prediction
 (teacher-forced).
 

@@ -66,10 +66,11 @@ class LLMEngine:
         caches = allocate_kv_cache(self.arch, plan, mc.torch_dtype)
         self.compile_seconds = backend.warmup(caches[0], self.arch.num_heads, mc.torch_dtype, self.arch.head_dim**-0.5)
         self.attention_backend = backend.name  # after warm-up: the backend actually in use
-        if mc.quantization == "q4_1":  # before the paths below, which then leave these layers alone
-            count, nbytes, seconds = quantize_linears(self.model)
+        if mc.quantization != "none":  # before the paths below, which then leave these layers alone
+            count, nbytes, seconds = quantize_linears(self.model, mc.quantization)
             self.compile_seconds += seconds
-            logger.info("quantization q4_1: %d linear layers, %.1f MiB of packed weights", count, nbytes / 2**20)
+            logger.info("quantization %s: %d linear layers, %.1f MiB of packed weights", mc.quantization, count,
+                        nbytes / 2**20)
         if mc.compile_model:
             self.compile_seconds += self.model.enable_compiled_forward(caches)
         elif mc.fused_ops:

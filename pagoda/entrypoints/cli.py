@@ -51,8 +51,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                    help="q4_1: the decoder's linear layers run 4-bit weights (Q4_1 blocks of 32: the default "
                         "model's own) and the lm_head 8-bit ones (Q8_0) against activations rounded to int8 per "
-                        "block of 32, as llama.cpp does; float32 models; needs a C++ compiler. none (default): the "
-                        "weights as loaded")
+                        "block of 32, as llama.cpp does; q8_0: every linear layer 8-bit weights (Q8_0), likewise; "
+                        "float32 models; needs a C++ compiler. none (default): the weights as loaded")
     g.add_argument("--kv-offload-memory", default=None,
                    help="second KV tier: host memory for cached blocks evicted from the cache, e.g. 2GiB")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

@@ -1,6 +1,10 @@
 """`--quantization q4_1`: linear layers with 4-bit weights in Q4_1 blocks (the lm_head 8-bit, Q8_0) and
 activations quantized to int8 per block of 32 as each layer runs, in C++ (pagoda/layers/q4_gemm.cpp, which
-explains the arithmetic). It is what llama.cpp computes for a Q4_1 GGUF file on a CPU.
+explains the arithmetic). It is what llama.cpp computes for a Q4_1 GGUF file on a CPU. `--quantization q8_0`:
+every linear layer 8-bit Q8_0 weights against the same int8 activations (llama.cpp's arithmetic for a Q8_0 file):
+the default model's Q4_1 weights re-quantized to 8 bits, which keeps them close (a Q4_1 block's 16 levels on
+Q8_0's 255), so the error is mostly the activations' rounding: 96.3% top-1 agreement with float32 against q4_1's
+92.8%, for weights 1.7x q4_1's bytes and 0.27x float32's (BENCHMARKS.md).
 
 The weights: each block of 32 consecutive weights of an output row becomes d * q + m (q in 0..15, d and m
 float16), as GGUF's Q4_1 stores them: m is the block's minimum and d its range / 15, both rounded to float16.
@@ -127,7 +131,7 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed.reshape(tiles, nb, NR * QK), _scale_bytes(d, tiles, nb)], dim=-1)
 
 
-class _PackedLinear:
+class PackedLinear:
     """A linear layer's packed weights (Q4Linear, Q8Linear) and the forward that rounds its input and multiplies,
     in one C++ call. Subclasses name how to pack (`_pack`: float weight -> bytes) and the kernel that reads the
     bytes (`_kernel`: both take x, w, bias, y, M, N, K)."""
@@ -142,7 +146,7 @@ class _PackedLinear:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.w = self._pack(weight)  # one byte tensor, as the kernel reads it
-        self._fn = getattr(lib, self._kernel)
+        self.kernel = getattr(lib, self._kernel)  # the ctypes function (one_stream.py calls it from C++)
         self.lib = lib
 
     def nbytes(self) -> int:
@@ -155,13 +159,13 @@ class _PackedLinear:
             x2 = x2.float().contiguous()
         y = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
         if x2.shape[0]:
-            self._fn(x2.data_ptr(), self.w.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
+            self.kernel(x2.data_ptr(), self.w.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
                      y.data_ptr(), x2.shape[0], self.out_features, self.in_features)
         return y.reshape(*shape[:-1], self.out_features)
 
 
-class Q8Linear(_PackedLinear):
-    """Q8_0 weights (the lm_head's) against int8 activations."""
+class Q8Linear(PackedLinear):
+    """Q8_0 weights (the lm_head's, and with `--quantization q8_0` every linear's) against int8 activations."""
 
     _kernel = "pagoda_q8_linear"
 
@@ -170,7 +174,7 @@ class Q8Linear(_PackedLinear):
         return pack_q8_0(*quantize_q8_0(weight))
 
 
-class Q4Linear(_PackedLinear):
+class Q4Linear(PackedLinear):
     """Q4_1 weights against int8 activations."""
 
     _kernel = "pagoda_q4_linear"
@@ -184,52 +188,55 @@ def quantizable(layer: nn.Linear) -> bool:
     return layer.weight.dtype == torch.float32 and layer.in_features % QK == 0 and layer.out_features % NR == 0
 
 
-def quantize_linears(model: nn.Module, portable: bool = False) -> tuple[int, int, float]:
-    """Give the decoder layers' float32 linears (quantizable) Q4_1 weights and free their float copies, and the
-    lm_head Q8_0 weights (its float weight stays: it is often the token embedding too); returns (layers
-    quantized, bytes of their packed weights, seconds taken, compile included). Raises if the kernels cannot be
-    compiled: the user asked for this format, and a silent float32 fallback would report the wrong numbers."""
+SCHEMES = ("q4_1", "q8_0")  # ModelConfig.quantization's schemes (config.QUANTIZATIONS less "none")
+
+
+def quantize_linears(model: nn.Module, scheme: str = "q4_1", portable: bool = False) -> tuple[int, int, float]:
+    """Give the decoder layers' float32 linears (quantizable) packed weights of the scheme, Q4_1 (4 bits) or Q8_0
+    (8 bits), and free their float copies, and the lm_head Q8_0 weights in both (its float weight stays: it is often
+    the token embedding too); returns (layers quantized, bytes of their packed weights, seconds taken, compile
+    included). Raises if the kernels cannot be compiled: the user asked for this format, and a silent float32
+    fallback would report the wrong numbers."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantization scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
     start = time.perf_counter()
     lib = q4_library(portable)
     if not lib.pagoda_q4_vectorized():
-        logger.warning("quantization q4_1: this CPU has no AVX2 and F16C (or the portable build was asked for); "
-                       "the Q4_1 kernel runs as plain C++, far slower than float32 matmuls")
+        logger.warning("quantization %s: this CPU has no AVX2 and F16C (or the portable build was asked for); "
+                       "the kernels run as plain C++, far slower than float32 matmuls", scheme)
+    layer_class: type[PackedLinear] = Q4Linear if scheme == "q4_1" else Q8Linear
     count, total = 0, 0
     for name, layer in list(model.named_modules()):
         if not isinstance(layer, nn.Linear) or not quantizable(layer):
             continue
-        if name.endswith("lm_head"):
-            q8 = Q8Linear(layer.weight, layer.bias, lib)
-            layer._pagoda_q8 = q8  # type: ignore[assignment]
-            layer.forward = q8  # type: ignore[method-assign,assignment]
-            total += q8.nbytes()
-        else:
-            q4 = Q4Linear(layer.weight, layer.bias, lib)
-            layer._pagoda_q4 = q4  # type: ignore[assignment]
-            layer.forward = q4  # type: ignore[method-assign,assignment]
-            total += q4.nbytes()
+        lm_head = name.endswith("lm_head")
+        packed = (Q8Linear if lm_head else layer_class)(layer.weight, layer.bias, lib)
+        layer._pagoda_packed_linear = packed  # type: ignore[assignment]
+        layer.forward = packed  # type: ignore[method-assign,assignment]
+        total += packed.nbytes()
+        if not lm_head:
             # the float copy is not read again: an empty tensor keeps the attribute for code that looks at dtypes
             layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
         count += 1
     return count, total, time.perf_counter() - start
 
 
-def q4_of(layer: nn.Module) -> Q4Linear | None:
-    """The layer's Q4_1 form, if quantize_linears gave it one."""
-    q4: Q4Linear | None = getattr(layer, "_pagoda_q4", None)
-    return q4
+def packed_of(layer: nn.Module) -> PackedLinear | None:
+    """The layer's packed form (Q4Linear or Q8Linear), if quantize_linears gave it one."""
+    packed: PackedLinear | None = getattr(layer, "_pagoda_packed_linear", None)
+    return packed
 
 
 def is_q4(layer: nn.Module) -> bool:
-    return q4_of(layer) is not None
+    return isinstance(packed_of(layer), Q4Linear)
 
 
 def is_quantized(layer: nn.Module) -> bool:
     """The layer runs packed Q4_1 or Q8_0 weights (quantize_linears)."""
-    return is_q4(layer) or getattr(layer, "_pagoda_q8", None) is not None
+    return packed_of(layer) is not None
 
 
 def weight_bytes(layer: nn.Linear) -> int:
     """The bytes a step reads for the layer's weights: packed Q4_1 or Q8_0 (with scales) or the weight tensor."""
-    packed: _PackedLinear | None = q4_of(layer) or getattr(layer, "_pagoda_q8", None)
+    packed = packed_of(layer)
     return packed.nbytes() if packed is not None else layer.weight.numel() * layer.weight.element_size()

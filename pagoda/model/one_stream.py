@@ -9,8 +9,8 @@ preallocated scratch buffers, so a step is one call. Its output is the eager for
 kernels, same order, same arguments.
 
 Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 or float32 model
-whose linears have the GEMV (or, with `--quantization q4_1`, all run the Q4_1 kernel, which has the GEMV's
-signature), the fused elementwise ops, the cpp attention backend's kernel for a cache of the
+whose linears have the GEMV (or, with `--quantization`, all run the same packed kernel, Q4_1 or Q8_0, which
+has the GEMV's signature), the fused elementwise ops, the cpp attention backend's kernel for a cache of the
 model's dtype (or, under a float32 model, of bfloat16 or float16: K and V are rounded as the eager path's
 write rounds them; not quantized), and no per-head q/k norm (Qwen3). Otherwise the model keeps its eager forward
 (logged).
@@ -35,7 +35,7 @@ from pagoda.layers.attention.cpp import _library_for as _attention_library
 from pagoda.layers.attention.cpp import supports as cpp_supports
 from pagoda.layers.cpp_build import load_library
 from pagoda.layers.linear import GEMV_DTYPES, _gemv_library, gemv_function
-from pagoda.layers.q4_linear import is_q4, q4_of
+from pagoda.layers.q4_linear import packed_of
 
 if TYPE_CHECKING:
     from pagoda.model.llama import DecoderLayer, LlamaForCausalLM
@@ -66,8 +66,8 @@ class OneStreamForward:
         elementwise = model.ops.lib
         attention = _attention_library(kv_caches[0], cfg.num_heads)
         dtype = self._dtype = model.model.embed_tokens.weight.dtype
-        q4 = q4_of(first_attn.qkv_proj)  # if it runs the Q4_1 kernel, all do (_unsupported)
-        linear_fn = q4.lib.pagoda_q4_linear if q4 is not None else gemv_function(_gemv_library(), dtype)
+        quantized = packed_of(first_attn.qkv_proj)  # if it runs a packed kernel, all run that one (_unsupported)
+        linear_fn = quantized.kernel if quantized is not None else gemv_function(_gemv_library(), dtype)
         fns = [linear_fn, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
                elementwise.pagoda_silu_mul, attention.pagoda_write_kv, attention.pagoda_paged_decode]
         self._fns = (ctypes.c_void_p * len(fns))(*[_address(f) for f in fns])
@@ -75,12 +75,12 @@ class OneStreamForward:
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
-        def weight(linear: nn.Linear) -> int | None:  # a Q4_1 layer's packed weights
-            packed = q4_of(linear)
+        def weight(linear: nn.Linear) -> int | None:  # a quantized layer's packed weights
+            packed = packed_of(linear)
             return ptr(packed.w if packed is not None else linear.weight)
 
         def bias(linear: nn.Linear) -> int | None:  # the bias the layer's forward adds
-            packed = q4_of(linear)
+            packed = packed_of(linear)
             return ptr(packed.bias if packed is not None else linear.bias)
 
         ptrs: list[int | None] = []
@@ -179,9 +179,10 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str 
         return "the model is not bfloat16 or float32"
     if model.ops.lib is None or model.ops.dtype != dtype:
         return "the fused elementwise ops are off"
-    quantized = [is_q4(m) for m in linears]
-    if any(quantized) and not all(quantized):
-        return "some linears run the Q4_1 kernel and some do not"
+    kinds = {type(packed_of(m)) for m in linears}
+    if len(kinds) > 1:
+        return "the linears do not all run the same kernel (Q4_1, Q8_0 or the GEMV)"
+    quantized = [packed_of(m) is not None for m in linears]
     if not linears or (not all(quantized) and any(getattr(m, "_pagoda_gemv", None) is None for m in linears)):
         return "the linears have no GEMV"
     backend = model.backend

@@ -46,10 +46,10 @@ def test_hf_and_pagoda_backends_run_the_same_workload(model_dir: Path, capsys: p
     assert pagoda["machine"]["torch"] == torch.__version__ and pagoda["machine"]["cpu_count"] >= 1
 
 
-@pytest.mark.parametrize("quantization", ["none", "q4_1"])
+@pytest.mark.parametrize("quantization", ["none", "q4_1", "q8_0"])
 def test_compute_floor_counts_the_linear_flops(model_dir: Path, capsys: pytest.CaptureFixture[str],
                                                quantization: str) -> None:
-    """Also with q4_1, whose layers' float weights are freed: the FLOPs come from the layers' shapes."""
+    """Also with q4_1 and q8_0, whose layers' float weights are freed: the FLOPs come from the layers' shapes."""
     from pagoda.model.llama import ArchConfig
 
     result = run_json(capsys, "bench", "throughput", "--model", str(model_dir), *WORKLOAD, "--json", *ENGINE,

@@ -1,6 +1,6 @@
-"""`--quantization q4_1` (pagoda/layers/q4_linear.py, q4_gemm.cpp): the weight format, the activation rounding,
-the kernel against a float64 reference of the same arithmetic, and the default model's Q4_1 weights coming back
-exactly."""
+"""`--quantization q4_1` and `q8_0` (pagoda/layers/q4_linear.py, q4_gemm.cpp): the weight formats, the activation
+rounding, the kernels against a float64 reference of the same arithmetic, and the default model's Q4_1 weights
+coming back exactly."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ from pagoda.layers.q4_linear import QK, Q4Linear, Q8Linear, dequantize_q4_1, qua
 
 def q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The activation rounding of q4_gemm.cpp in torch ops: per block of 32, xq = round(x * (127 / max |x|)) with
-    ties to even, dx = max |x| / 127, sx = the block's sum."""
+    ties to even, dx = max |x| / 127, sx = the block's sum. 127 / max |x| is one float32 division, as the kernel's:
+    torch computes `127.0 / tensor` as a reciprocal times 127, rounded twice, which can put x * inv one ulp off a
+    tie and round it the other way (test_activation_rounding_matches_torch has such a block)."""
     blocks = x.reshape(x.shape[0], -1, QK)
     amax = blocks.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (blocks * inv[..., None]).round().to(torch.int8).reshape(x.shape), amax / 127.0, blocks.sum(-1)
 
 
@@ -52,6 +54,9 @@ def test_activation_rounding_matches_torch(portable: bool) -> None:
     x[0, :QK] = 0.0
     x[1, :QK] = torch.arange(QK) - 15.5  # max 16.5: 127 / 16.5 * 0.5 ... puts values near ties
     x[2, :QK] = (torch.arange(QK) - 16) * (127.0 / 254.0)  # x * 127 / max lands on k + 0.5 for odd k
+    # x * (127 / max) is -51.5 exactly (-52, ties to even); with 127 / max as reciprocal times 127, -51.499996
+    x[3, :QK] = 0.0
+    x[3, 0], x[3, 1] = float.fromhex("0x1.2432120000000p+1"), float.fromhex("-0x1.d9f47e0000000p-1")
     xq = torch.empty(x.shape, dtype=torch.int8)
     dx = torch.empty(x.shape[0], x.shape[1] // QK)
     sx = torch.empty_like(dx)
@@ -61,6 +66,7 @@ def test_activation_rounding_matches_torch(portable: bool) -> None:
     assert torch.equal(dx, want_d)
     torch.testing.assert_close(sx, want_s, rtol=1e-6, atol=1e-5)
     assert not xq[0, :QK].any() and (dx[0, 0] == 0)
+    assert xq[3, 1] == -52
 
 
 @pytest.mark.parametrize("portable", [False, True])
@@ -169,6 +175,29 @@ def test_quantize_linears_frees_the_float_weights_and_other_paths_leave_them_alo
     for layer, out in zip((model.block[0], model.lm_head), before, strict=True):
         assert not linear.is_packed(layer) and getattr(layer, "_pagoda_gemv", None) is None
         assert torch.equal(layer(x), out)
+
+
+def test_q8_0_gives_every_quantizable_linear_8_bit_weights() -> None:
+    """quantize_linears(model, "q8_0"): the decoder's layers run Q8_0 like the lm_head, their float weights freed,
+    each computing the Q8_0 reference of its own weights; an unknown scheme is refused by name."""
+    g = torch.Generator().manual_seed(3)
+    model = nn.Module()
+    model.block = nn.Sequential(nn.Linear(64, 32), nn.Linear(64, 20))
+    model.lm_head = nn.Linear(64, 48, bias=False)
+    weights = {name: (m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone())
+               for name, m in (("block", model.block[0]), ("lm_head", model.lm_head))}
+    count, nbytes, _ = q4_linear.quantize_linears(model, "q8_0")
+    assert count == 2 and nbytes == (32 + 48) * 64 // QK * (QK + 2)  # a byte a weight, a float16 d per 32
+    for name, layer in (("block", model.block[0]), ("lm_head", model.lm_head)):
+        assert isinstance(q4_linear.packed_of(layer), Q8Linear) and not q4_linear.is_q4(layer), name
+        w, bias = weights[name]
+        x = torch.randn(5, 64, generator=g)
+        want = reference_q8_linear(x, *quantize_q8_0(w), bias)
+        torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert model.block[0].weight.numel() == 0 and model.lm_head.weight.shape == (48, 64)
+    assert not q4_linear.is_quantized(model.block[1])
+    with pytest.raises(ValueError, match="quantization scheme must be one of q4_1, q8_0; got 'q2'"):
+        q4_linear.quantize_linears(nn.Sequential(nn.Linear(64, 32)), "q2")
 
 
 def test_the_build_says_which_kernels_it_runs(caplog: pytest.LogCaptureFixture) -> None:

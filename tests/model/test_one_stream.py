@@ -33,11 +33,11 @@ def _generate(llm: LLM, seeded: bool) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float32+q4_1", "float32+q4_1/bfloat16",
-                                   "float32/float16"])
+                                   "float32+q8_0", "float32/float16"])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_matches_the_eager_forward_exactly(tiny_model: tuple[str, Path], seeded: bool, dtype: str) -> None:
-    """float32+q4_1: the linears through the Q4_1 kernel's GEMV-shaped entry point; /bfloat16, /float16: a float32
-    model's KV cache in that dtype (K and V rounded on write)."""
+    """float32+q4_1 (+q8_0): the linears through the Q4_1 (Q8_0) kernel's GEMV-shaped entry point; /bfloat16,
+    /float16: a float32 model's KV cache in that dtype (K and V rounded on write)."""
     arch, folder = tiny_model
     dtype, _, kv_cache_dtype = dtype.partition("/")
     dtype, _, quantization = dtype.partition("+")
