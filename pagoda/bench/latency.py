@@ -51,6 +51,7 @@ def run_latency(args: argparse.Namespace, engine_options: dict[str, Any]) -> dic
         "avg_latency_s": stats["mean"], "latency_s": stats, "latencies_s": latencies,
         "total_tokens_per_second": tokens / stats["mean"],
         "output_tokens_per_second": args.batch_size * args.output_len / stats["mean"],
+        "engine_options": engine_options,
     }
 
 

@@ -76,6 +76,7 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
         "attention_backend": llm.engine.attention_backend,
         "startup_compile_s": llm.engine.compile_seconds,
         "keeps_freed_memory": llm.engine.keeps_freed_memory,
+        "engine_options": engine_options,  # the engine flags as given: which dtype, quantization, cache... ran
     })
     result.update(compute_floor(llm.engine.model, prompt_tokens, output_tokens, elapsed))
     stats = llm.engine.stats

@@ -60,6 +60,7 @@ def test_compute_floor_counts_the_linear_flops(model_dir: Path, capsys: pytest.C
     expected = 2 * per_token * (result["prompt_tokens"] + 9) + 2 * a.hidden_size * a.vocab_size * 9
     assert result["matmul_gflop"] * 1e9 == pytest.approx(expected)
     assert result["achieved_gflops"] == pytest.approx(result["matmul_gflop"] / result["elapsed_s"])
+    assert result["engine_options"]["quantization"] == quantization  # a saved result says what ran
     assert result["compute_floor_fraction"] == pytest.approx(result["achieved_gflops"] / result["matmul_peak_gflops"])
     # the peak is the better of F.linear and (the tiny model is float32) oneDNN's matmul, both measured
     assert result["matmul_peak_gflops"] == max(result["matmul_peak_gflops_f_linear"],
@@ -106,6 +107,7 @@ def test_latency_reports_every_timed_iteration(model_dir: Path, capsys: pytest.C
     assert set(result["latency_s"]) == {"mean", "median", "p90", "p99"}
     assert result["avg_latency_s"] == pytest.approx(sum(result["latencies_s"]) / 3)
     assert (result["batch_size"], result["input_len"], result["output_len"]) == (2, 6, 3)
+    assert result["engine_options"]["model"] == str(model_dir)
     assert main(["bench", "latency", "--model", str(model_dir), "--num-iters", "0", *ENGINE]) == 2
 
 
