@@ -160,7 +160,7 @@ class PackedLinear:
         y = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
         if x2.shape[0]:
             self.kernel(x2.data_ptr(), self.w.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
-                     y.data_ptr(), x2.shape[0], self.out_features, self.in_features)
+                        y.data_ptr(), x2.shape[0], self.out_features, self.in_features)
         return y.reshape(*shape[:-1], self.out_features)
 
 

@@ -198,6 +198,9 @@ def test_q8_0_gives_every_quantizable_linear_8_bit_weights() -> None:
     assert not q4_linear.is_quantized(model.block[1])
     with pytest.raises(ValueError, match="quantization scheme must be one of q4_1, q8_0; got 'q2'"):
         q4_linear.quantize_linears(nn.Sequential(nn.Linear(64, 32)), "q2")
+    from pagoda.config import QUANTIZATIONS
+
+    assert QUANTIZATIONS == ("none", *q4_linear.SCHEMES)  # every scheme the flag offers is one the engine runs
 
 
 def test_the_build_says_which_kernels_it_runs(caplog: pytest.LogCaptureFixture) -> None:
