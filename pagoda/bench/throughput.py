@@ -59,6 +59,7 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
               for i, w in enumerate(work)]
     profiler = llm.engine.enable_profiling() if getattr(args, "profile", False) else None
     llm.engine.track_kv_usage = getattr(args, "kv_usage", False)
+    peak_before = matmul_peak(llm.engine.model)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.json)
     elapsed = time.perf_counter() - start
@@ -78,7 +79,8 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
         "keeps_freed_memory": llm.engine.keeps_freed_memory,
         "engine_options": engine_options,  # the engine flags as given: which dtype, quantization, cache... ran
     })
-    result.update(compute_floor(llm.engine.model, prompt_tokens, output_tokens, elapsed))
+    result.update(compute_floor(llm.engine.model, prompt_tokens, output_tokens, elapsed,
+                                [peak_before, matmul_peak(llm.engine.model)]))
     stats = llm.engine.stats
     if llm.engine.track_kv_usage and stats.kv_slots_held:
         # over all steps: of the KV slots in blocks held by requests, the share holding a token
@@ -88,24 +90,15 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
     return result
 
 
-def compute_floor(model: Any, prompt_tokens: int, output_tokens: int, elapsed: float) -> dict[str, float]:
-    """The run's matmul FLOPs against the matmul rate this machine reaches now, in the model's dtype.
-
-    FLOPs: 2 x (parameters of the decoder's linear layers) per token, prompt or output, plus
-    2 x hidden x vocab for each output token's logits (a prompt's last token gives the first output
-    token). Attention's own FLOPs are left out, so the fraction understates the arithmetic done.
-    The rate: the best of 40 timed (1024 x hidden) @ (hidden x intermediate) matmuls, the largest
-    linear layer of the model, measured right after the run in the same process, by F.linear and (float32) by
-    oneDNN's matmul on the plain weight, which the engine's float32 linears use (layers/linear.py): the better
-    of the two, so that the floor is what this machine's best matmul allows, not the one the engine beat. Its
-    dtype is the lm_head's (the model's): with --quantization q4_1 the layers multiply int8 instead, and the
-    fraction says how the run compares with what float32 matmuls allow."""
+def matmul_peak(model: Any) -> dict[str, float]:
+    """The matmul rate this machine reaches now in the model's dtype, FLOP/s by matmul: the best of 40 timed
+    (1024 x hidden) @ (hidden x intermediate) matmuls, the largest linear layer of the model, by F.linear and
+    (float32) by oneDNN's matmul on the plain weight, which the engine's float32 linears use (layers/linear.py),
+    alternated call by call. Its dtype is the lm_head's (the model's): with --quantization the layers multiply int8
+    instead, and the rate says what float32 matmuls allow."""
     import torch
 
-    lm_head = model.lm_head
-    linear = sum(m.in_features * m.out_features for m in model.model.modules() if isinstance(m, torch.nn.Linear))
-    flops = 2.0 * linear * (prompt_tokens + output_tokens) + 2.0 * lm_head.weight.numel() * output_tokens
-    w = torch.randn(model.config.intermediate_size, model.config.hidden_size, dtype=lm_head.weight.dtype)
+    w = torch.randn(model.config.intermediate_size, model.config.hidden_size, dtype=model.lm_head.weight.dtype)
     x = torch.randn(1024, w.shape[1], dtype=w.dtype)
     matmuls = {"f_linear": lambda: torch.nn.functional.linear(x, w)}
     if w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
@@ -116,11 +109,30 @@ def compute_floor(model: Any, prompt_tokens: int, output_tokens: int, elapsed: f
             start = time.perf_counter()
             matmul()
             best[name] = min(best[name], time.perf_counter() - start)
-    rates = {name: 2.0 * x.shape[0] * w.numel() / t for name, t in best.items()}
+    return {name: 2.0 * x.shape[0] * w.numel() / t for name, t in best.items()}
+
+
+def compute_floor(model: Any, prompt_tokens: int, output_tokens: int, elapsed: float,
+                  peaks: list[dict[str, float]]) -> dict[str, float]:
+    """The run's matmul FLOPs against the best matmul rate (matmul_peak) measured around it: peaks holds one
+    measurement from before the run and one from after, and the floor takes the best rate of any matmul at either
+    moment, so that it is what this machine's best matmul allows, not the one the engine beat, nor a slow moment
+    (on these shared machines one measurement after a run read half the others').
+
+    FLOPs: 2 x (parameters of the decoder's linear layers) per token, prompt or output, plus 2 x hidden x vocab
+    for each output token's logits (a prompt's last token gives the first output token). Attention's own FLOPs
+    are left out, so the fraction understates the arithmetic done."""
+    import torch
+
+    linear = sum(m.in_features * m.out_features for m in model.model.modules() if isinstance(m, torch.nn.Linear))
+    flops = 2.0 * linear * (prompt_tokens + output_tokens) + 2.0 * model.lm_head.weight.numel() * output_tokens
+    rates = {name: max(p[name] for p in peaks) for name in peaks[0]}
     rate = max(rates.values())
     achieved = flops / elapsed
     return {"matmul_gflop": flops / 1e9, "achieved_gflops": achieved / 1e9, "matmul_peak_gflops": rate / 1e9,
             **{f"matmul_peak_gflops_{name}": r / 1e9 for name, r in rates.items()},
+            "matmul_peak_gflops_before_run": max(peaks[0].values()) / 1e9,
+            "matmul_peak_gflops_after_run": max(peaks[-1].values()) / 1e9,
             "compute_floor_fraction": achieved / rate}
 
 

@@ -62,9 +62,12 @@ def test_compute_floor_counts_the_linear_flops(model_dir: Path, capsys: pytest.C
     assert result["achieved_gflops"] == pytest.approx(result["matmul_gflop"] / result["elapsed_s"])
     assert result["engine_options"]["quantization"] == quantization  # a saved result says what ran
     assert result["compute_floor_fraction"] == pytest.approx(result["achieved_gflops"] / result["matmul_peak_gflops"])
-    # the peak is the better of F.linear and (the tiny model is float32) oneDNN's matmul, both measured
+    # the peak is the better of F.linear and (the tiny model is float32) oneDNN's matmul, both measured, and of
+    # the measurements before and after the run
     assert result["matmul_peak_gflops"] == max(result["matmul_peak_gflops_f_linear"],
                                                result["matmul_peak_gflops_onednn"])
+    assert result["matmul_peak_gflops"] == max(result["matmul_peak_gflops_before_run"],
+                                               result["matmul_peak_gflops_after_run"])
 
 
 def test_one_stream_reports_prompt_and_decode_rates(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -116,3 +119,21 @@ def test_llamacpp_backend_says_how_to_install(model_dir: Path, monkeypatch: pyte
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed, whatever this machine has
     assert main(["bench", "throughput", "--backend", "llamacpp", "--model", str(model_dir), *WORKLOAD]) == 2
     assert "pip install llama-cpp-python==" in capsys.readouterr().err
+
+
+def test_compute_floor_takes_the_best_rate_of_either_moment() -> None:
+    """A slow moment before or after the run does not lower the floor's rate: the best matmul at either counts."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from pagoda.bench.throughput import compute_floor
+
+    model = SimpleNamespace(model=nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), lm_head=nn.Linear(4, 10))
+    before, after = {"f_linear": 1.0e11, "onednn": 0.5e11}, {"f_linear": 0.6e11, "onednn": 1.2e11}
+    floor = compute_floor(model, prompt_tokens=30, output_tokens=10, elapsed=2.0, peaks=[before, after])
+    flops = 2 * 64 * 40 + 2 * 40 * 10
+    assert floor["matmul_gflop"] == pytest.approx(flops / 1e9)
+    assert (floor["matmul_peak_gflops_f_linear"], floor["matmul_peak_gflops_onednn"]) == (100.0, 120.0)
+    assert (floor["matmul_peak_gflops_before_run"], floor["matmul_peak_gflops_after_run"]) == (100.0, 120.0)
+    assert floor["compute_floor_fraction"] == pytest.approx(flops / 2.0 / 1.2e11)
