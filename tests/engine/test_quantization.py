@@ -46,6 +46,14 @@ def reference_forward(layer: nn.Linear, lm_head: bool = False) -> Any:
     return forward
 
 
+def decoder_linears(plain: LLM, quantized: LLM) -> list[tuple[str, nn.Linear, nn.Linear]]:
+    """(name, float layer, quantized layer) for each of the decoder's linears, all 4 a layer checked present."""
+    pairs = zip(plain.engine.model.model.named_modules(), quantized.engine.model.model.named_modules(), strict=True)
+    linears = [(name, a, b) for (name, a), (_, b) in pairs if isinstance(a, nn.Linear)]
+    assert len(linears) == 4 * quantized.engine.arch.num_layers
+    return linears
+
+
 @pytest.mark.slow
 def test_q4_1_on_the_default_model() -> None:
     from transformers import AutoModelForCausalLM
@@ -55,10 +63,7 @@ def test_q4_1_on_the_default_model() -> None:
     q4 = LLM(quantization="q4_1", kv_cache_memory="64MiB")
     # every decoder linear is quantized, from the file's weights, and computes the reference arithmetic
     g = torch.Generator().manual_seed(0)
-    pairs = list(zip(plain.engine.model.model.named_modules(), q4.engine.model.model.named_modules(), strict=True))
-    linears = [(name, a, b) for (name, a), (_, b) in pairs if isinstance(a, nn.Linear)]
-    assert len(linears) == 4 * q4.engine.arch.num_layers
-    for name, float_layer, q4_layer in linears:
+    for name, float_layer, q4_layer in decoder_linears(plain, q4):
         assert is_q4(q4_layer) and q4_layer.weight.numel() == 0, name
         x = torch.randn(5, float_layer.in_features, generator=g)
         want = reference_linear(x, *quantize_q4_1(float_layer.weight), None)
@@ -107,10 +112,8 @@ def test_q8_0_on_the_default_model() -> None:
     plain = LLM(kv_cache_memory="64MiB")
     q8 = LLM(quantization="q8_0", kv_cache_memory="64MiB")
     g = torch.Generator().manual_seed(1)
-    pairs = list(zip(plain.engine.model.model.named_modules(), q8.engine.model.model.named_modules(), strict=True))
-    linears = [(name, a, b) for (name, a), (_, b) in pairs if isinstance(a, nn.Linear)]
-    assert len(linears) == 4 * q8.engine.arch.num_layers
-    for name, float_layer, q8_layer in [*linears, ("lm_head", plain.engine.model.lm_head, q8.engine.model.lm_head)]:
+    lm_head = ("lm_head", plain.engine.model.lm_head, q8.engine.model.lm_head)
+    for name, float_layer, q8_layer in [*decoder_linears(plain, q8), lm_head]:
         assert isinstance(packed_of(q8_layer), Q8Linear), name
         assert q8_layer.weight.numel() == (0 if name != "lm_head" else float_layer.weight.numel()), name
         x = torch.randn(3, float_layer.in_features, generator=g)
