@@ -188,7 +188,8 @@ def quantizable(layer: nn.Linear) -> bool:
     return layer.weight.dtype == torch.float32 and layer.in_features % QK == 0 and layer.out_features % NR == 0
 
 
-SCHEMES = ("q4_1", "q8_0")  # ModelConfig.quantization's schemes (config.QUANTIZATIONS less "none")
+# ModelConfig.quantization's schemes (config.QUANTIZATIONS less "none") -> the decoder layers' packed form
+SCHEMES: dict[str, type[PackedLinear]] = {"q4_1": Q4Linear, "q8_0": Q8Linear}
 
 
 def quantize_linears(model: nn.Module, scheme: str = "q4_1", portable: bool = False) -> tuple[int, int, float]:
@@ -204,13 +205,12 @@ def quantize_linears(model: nn.Module, scheme: str = "q4_1", portable: bool = Fa
     if not lib.pagoda_q4_vectorized():
         logger.warning("quantization %s: this CPU has no AVX2 and F16C (or the portable build was asked for); "
                        "the kernels run as plain C++, far slower than float32 matmuls", scheme)
-    layer_class: type[PackedLinear] = Q4Linear if scheme == "q4_1" else Q8Linear
     count, total = 0, 0
     for name, layer in list(model.named_modules()):
         if not isinstance(layer, nn.Linear) or not quantizable(layer):
             continue
         lm_head = name.endswith("lm_head")
-        packed = (Q8Linear if lm_head else layer_class)(layer.weight, layer.bias, lib)
+        packed = (Q8Linear if lm_head else SCHEMES[scheme])(layer.weight, layer.bias, lib)
         layer._pagoda_packed_linear = packed  # type: ignore[assignment]
         layer.forward = packed  # type: ignore[method-assign,assignment]
         total += packed.nbytes()
@@ -225,10 +225,6 @@ def packed_of(layer: nn.Module) -> PackedLinear | None:
     """The layer's packed form (Q4Linear or Q8Linear), if quantize_linears gave it one."""
     packed: PackedLinear | None = getattr(layer, "_pagoda_packed_linear", None)
     return packed
-
-
-def is_q4(layer: nn.Module) -> bool:
-    return isinstance(packed_of(layer), Q4Linear)
 
 
 def is_quantized(layer: nn.Module) -> bool:

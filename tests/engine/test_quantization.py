@@ -23,7 +23,7 @@ from torch import nn
 
 from pagoda import LLM
 from pagoda.bench.kv_accuracy import prompt_scores
-from pagoda.layers.q4_linear import Q8Linear, is_q4, is_quantized, packed_of, quantize_q4_1, quantize_q8_0
+from pagoda.layers.q4_linear import Q4Linear, Q8Linear, is_quantized, packed_of, quantize_q4_1, quantize_q8_0
 from pagoda.model.loader import resolve_model_path
 from tests.engine.test_smollm2 import corpus_text
 from tests.layers.test_q4_linear import reference_linear, reference_q8_linear
@@ -64,12 +64,12 @@ def test_q4_1_on_the_default_model() -> None:
     # every decoder linear is quantized, from the file's weights, and computes the reference arithmetic
     g = torch.Generator().manual_seed(0)
     for name, float_layer, q4_layer in decoder_linears(plain, q4):
-        assert is_q4(q4_layer) and q4_layer.weight.numel() == 0, name
+        assert isinstance(packed_of(q4_layer), Q4Linear) and q4_layer.weight.numel() == 0, name
         x = torch.randn(5, float_layer.in_features, generator=g)
         want = reference_linear(x, *quantize_q4_1(float_layer.weight), None)
         torch.testing.assert_close(q4_layer(x).double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     lm_head = q4.engine.model.lm_head
-    assert is_quantized(lm_head) and not is_q4(lm_head)
+    assert is_quantized(lm_head) and not isinstance(packed_of(lm_head), Q4Linear)
     x = torch.randn(3, lm_head.in_features, generator=g)
     want = reference_q8_linear(x, *quantize_q8_0(plain.engine.model.lm_head.weight), None)
     torch.testing.assert_close(lm_head(x).double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

@@ -162,9 +162,9 @@ def test_quantize_linears_frees_the_float_weights_and_other_paths_leave_them_alo
     x = torch.randn(5, 64)
     count, nbytes, _ = q4_linear.quantize_linears(model)
     assert count == 2 and nbytes > 0
-    assert q4_linear.is_q4(model.block[0]) and model.block[0].weight.numel() == 0
+    assert isinstance(q4_linear.packed_of(model.block[0]), Q4Linear) and model.block[0].weight.numel() == 0
     assert not q4_linear.is_quantized(model.block[1])
-    assert q4_linear.is_quantized(model.lm_head) and not q4_linear.is_q4(model.lm_head)
+    assert q4_linear.is_quantized(model.lm_head) and not isinstance(q4_linear.packed_of(model.lm_head), Q4Linear)
     assert model.lm_head.weight.shape == (48, 64)
     before = [model.block[0](x), model.lm_head(x)]
     assert linear.should_prepack(model, torch.float32, None, compile_model=False)  # block[1] is still float
@@ -189,7 +189,7 @@ def test_q8_0_gives_every_quantizable_linear_8_bit_weights() -> None:
     count, nbytes, _ = q4_linear.quantize_linears(model, "q8_0")
     assert count == 2 and nbytes == (32 + 48) * 64 // QK * (QK + 2)  # a byte a weight, a float16 d per 32
     for name, layer in (("block", model.block[0]), ("lm_head", model.lm_head)):
-        assert isinstance(q4_linear.packed_of(layer), Q8Linear) and not q4_linear.is_q4(layer), name
+        assert type(q4_linear.packed_of(layer)) is Q8Linear, name
         w, bias = weights[name]
         x = torch.randn(5, 64, generator=g)
         want = reference_q8_linear(x, *quantize_q8_0(w), bias)
