@@ -32,6 +32,7 @@ from pagoda.layers.attention import AttentionBackend, cpp, get_attention_backend
 from pagoda.layers.attention.cpp import CppAttentionBackend
 from pagoda.layers.linear import is_packed, prepack_linears
 from pagoda.layers.q4_linear import weight_bytes
+from pagoda.worker.host_memory import huge_page_zeros
 
 
 def _advanced_indexing(data: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -137,8 +138,9 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
 
     if args.versus == "weights-read":
         # One buffer of the weights' bytes, summed: the read a decode step cannot avoid, measured as a rate.
-        # Quantized layers count their packed bytes (4-bit weights and their scales).
-        weights = torch.empty(sum(weight_bytes(m) for m in linears) // 4)
+        # Quantized layers count their packed bytes (4-bit weights and their scales). On huge pages where the
+        # engine's weights are (host_memory): the floor is the best plain read this machine offers.
+        weights = huge_page_zeros(sum(weight_bytes(m) for m in linears) // 4 * 4).view(torch.float32)
         weights.normal_()
 
         def read() -> None:

@@ -7,6 +7,8 @@ import random
 import time
 from dataclasses import dataclass
 
+from torch import nn
+
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.core.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
@@ -14,13 +16,13 @@ from pagoda.core.scheduler import Scheduler
 from pagoda.engine.output_processor import ParentState, new_parent
 from pagoda.layers.attention import PagedKVCache, get_attention_backend
 from pagoda.layers.linear import enable_gemv, prepack_linears, should_prepack
-from pagoda.layers.q4_linear import quantize_linears
+from pagoda.layers.q4_linear import packed_of, quantize_linears
 from pagoda.model.loader import load_model
 from pagoda.outputs import RequestOutput
 from pagoda.profiler import NULL_PROFILER, StepProfiler
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.host_memory import keep_freed_memory
+from pagoda.worker.host_memory import huge_pages_enabled, keep_freed_memory, move_to_huge_pages, release_free_heap
 from pagoda.worker.kv_cache import KVCachePlan, allocate_kv_cache, default_kv_cache_memory, plan_kv_cache
 from pagoda.worker.model_runner import ModelRunner
 from pagoda.worker.offload import OffloadStore
@@ -50,6 +52,21 @@ class EngineStats:
     kv_slots_held: int = 0
 
 
+def move_weights_to_huge_pages(model: nn.Module) -> int:
+    """Copy the model's parameters and packed weights (--quantization) into one huge-page region
+    (host_memory.move_to_huge_pages: a decode step streams through all of them), free the old copies, and return
+    the bytes moved. Call before anything keeps a weight's address (the fused and one-call paths, prepacking)."""
+    params = [p for p in model.parameters() if p.numel()]  # tied weights once
+    packed = [q for q in map(packed_of, model.modules()) if q is not None]
+    copies = move_to_huge_pages([p.data for p in params] + [q.w for q in packed])
+    for p, copy in zip(params, copies[:len(params)], strict=True):
+        p.data = copy
+    for q, copy in zip(packed, copies[len(params):], strict=True):
+        q.w = copy
+    release_free_heap()
+    return sum(c.numel() * c.element_size() for c in copies)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -71,6 +88,9 @@ class LLMEngine:
             self.compile_seconds += seconds
             logger.info("quantization %s: %d linear layers, %.1f MiB of packed weights", mc.quantization, count,
                         nbytes / 2**20)
+        if huge_pages_enabled():  # before the paths below, which take the weights' addresses
+            moved = move_weights_to_huge_pages(self.model)
+            logger.info("weights on huge pages: %.1f MiB", moved / 2**20)
         if mc.compile_model:
             self.compile_seconds += self.model.enable_compiled_forward(caches)
         elif mc.fused_ops:

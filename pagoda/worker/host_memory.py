@@ -13,6 +13,18 @@ both are needed: either alone left the sampler as slow), which is what CPU infer
 LD_PRELOADing tcmalloc or jemalloc. The cost: the process keeps its peak heap instead of handing it
 back. Set PAGODA_KEEP_FREED_MEMORY=0 to leave glibc's
 defaults alone; on a C library other than glibc this does nothing.
+
+Huge pages for what every step reads whole: the weights and the KV cache. Linux backs anonymous memory with
+4 KiB pages unless a region asks for transparent huge pages (2 MiB) with madvise, where the system's setting is
+`madvise` (`/sys/kernel/mm/transparent_hugepage/enabled`; Ubuntu's and Debian's default, and this project's
+machines'). A decode step streams through hundreds of MB: on 4 KiB pages every 4 KiB is a TLB miss and a stop
+for the hardware prefetchers, which do not cross a page. On this project's AVX2 machine one 150 MB read ran
+16.7-22.1 GB/s on 4 KiB pages and 22.6-24.5 GB/s on huge pages, alternated, and one float32 stream's step went
+from 1.34-1.39x to 1.26-1.30x of its weights' read (BENCHMARKS.md, "Huge pages"). So the engine copies its weights
+into one huge-page region at start-up (`move_to_huge_pages`) and allocates each KV cache tensor in one
+(`huge_page_zeros`; numpy's allocator, which the cache used before, advised huge pages for it already). Set
+PAGODA_HUGE_PAGES=0 to keep 4 KiB pages; where the system's setting is `never`, or the platform has no madvise,
+the calls fall back to ordinary memory.
 """
 
 from __future__ import annotations
@@ -20,7 +32,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import os
+from collections.abc import Iterable
+
+import numpy as np
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -50,3 +67,66 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     _done = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     return _done
+
+
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 and most arm64 kernels
+_THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_pages_enabled() -> bool:
+    """Whether huge_page_zeros asks for huge pages: PAGODA_HUGE_PAGES is not 0, the platform has madvise's
+    MADV_HUGEPAGE, and the system's transparent huge page setting is `always` or `madvise`."""
+    if os.environ.get("PAGODA_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        with open(_THP_SETTING) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def huge_page_zeros(nbytes: int) -> torch.Tensor:
+    """nbytes zeroed bytes (a uint8 tensor) starting on a 2 MiB boundary of an anonymous mapping advised for huge
+    pages (huge_pages_enabled), or on a 64-byte boundary of ordinary memory without them. Either way the kernel
+    hands out zero pages as they are first touched: a large cache costs no time and no memory until it is written."""
+    if not huge_pages_enabled():  # numpy's zeros is calloc: fresh pages, not gigabytes of zeros written now
+        buf = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
+        start = -buf.data_ptr() % 64
+        return buf[start:start + nbytes]
+    # Whole huge pages from an aligned start, and one more for the alignment: the kernel only maps a huge page where
+    # all of its 2 MiB lie inside the mapping. The unused head and tail are never touched, so they take no memory.
+    # Private: a shared anonymous mapping is shmem, whose huge pages follow another setting (usually never).
+    length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
+    region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
+    buf = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping for its lifetime
+    start = -buf.data_ptr() % HUGE_PAGE
+    region.madvise(mmap.MADV_HUGEPAGE, start, length - start)
+    return buf[start:start + nbytes]
+
+
+def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of the tensors (contiguous, same shapes and dtypes), carved one after another, each 64-byte aligned,
+    from one huge_page_zeros region. Call it once at start-up for tensors that stay; free the originals."""
+    tensors = list(tensors)
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end += -(-t.numel() * t.element_size() // 64) * 64
+    region = huge_page_zeros(end)
+    copies = []
+    for t, offset in zip(tensors, offsets, strict=True):
+        n = t.numel() * t.element_size()
+        copy = region[offset:offset + n].view(t.dtype).view(t.shape)
+        copy.copy_(t)
+        copies.append(copy)
+    return copies
+
+
+def release_free_heap() -> None:
+    """Hand glibc's free heap memory back to the kernel (malloc_trim): after the weights move to huge pages, their
+    old copies are free heap that keep_freed_memory's settings would otherwise keep resident."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc

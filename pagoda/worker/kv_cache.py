@@ -18,6 +18,7 @@ from pagoda.layers.attention import PagedKVCache
 from pagoda.layers.attention.paged_kv import k_cache_layout
 from pagoda.layers.kv_quant import SCALE_DTYPE, KVCacheSpec, kv_cache_spec
 from pagoda.model.llama import ArchConfig
+from pagoda.worker.host_memory import huge_page_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +78,10 @@ def plan_kv_cache(arch: ArchConfig, dtype: torch.dtype, block_size: int, budget_
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed tensor from one calloc'd numpy buffer: the kernel hands out zero pages lazily instead
-    of us writing gigabytes of zeros at start-up."""
+    """A zeroed tensor on huge pages where the system allows (host_memory.huge_page_zeros: every decode step
+    streams through the cache), its pages handed out by the kernel as they are first written."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(int(np.prod(shape)) * elem, dtype=np.uint8)).view(dtype).view(shape)
+    return huge_page_zeros(int(np.prod(shape)) * elem).view(dtype).view(shape)
 
 
 def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype) -> list[PagedKVCache]:

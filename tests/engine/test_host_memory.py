@@ -6,6 +6,7 @@ import ctypes
 import platform
 
 import pytest
+import torch
 
 from pagoda.worker import host_memory
 
@@ -39,3 +40,80 @@ def test_without_glibc_it_does_nothing(fresh: None, monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("PAGODA_KEEP_FREED_MEMORY", raising=False)
     monkeypatch.setattr(ctypes, "CDLL", no_libc)
     assert host_memory.keep_freed_memory() is False
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping holding address, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+thp = pytest.mark.skipif(not host_memory.huge_pages_enabled(),
+                         reason="transparent huge pages are off on this system (or PAGODA_HUGE_PAGES=0)")
+
+
+@thp
+def test_huge_page_zeros_is_aligned_zeroed_and_backed_by_huge_pages() -> None:
+    buf = host_memory.huge_page_zeros(3 * host_memory.HUGE_PAGE + 123)
+    assert buf.dtype == torch.uint8 and buf.numel() == 3 * host_memory.HUGE_PAGE + 123
+    assert buf.data_ptr() % host_memory.HUGE_PAGE == 0
+    assert _anon_huge_kib(buf.data_ptr()) == 0  # nothing is committed before it is touched
+    assert int(buf.count_nonzero()) == 0
+    buf.fill_(7)
+    assert _anon_huge_kib(buf.data_ptr()) >= 2048  # the writes got huge pages: the region was advised
+
+
+def test_without_huge_pages_the_buffer_is_plain_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGODA_HUGE_PAGES", "0")
+    assert not host_memory.huge_pages_enabled()
+    buf = host_memory.huge_page_zeros(1000)
+    assert buf.numel() == 1000 and int(buf.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("enabled", ["1", "0"])
+def test_move_to_huge_pages_copies_each_tensor(monkeypatch: pytest.MonkeyPatch, enabled: str) -> None:
+    monkeypatch.setenv("PAGODA_HUGE_PAGES", enabled)
+    originals = [torch.randn(3, 5), torch.arange(7, dtype=torch.int16), torch.randn(4, 6).t(),
+                 torch.randint(0, 255, (33,), dtype=torch.uint8)]
+    copies = host_memory.move_to_huge_pages(originals)
+    for t, c in zip(originals, copies, strict=True):
+        assert c.shape == t.shape and c.dtype == t.dtype and c.is_contiguous()
+        assert torch.equal(c, t)
+        assert c.data_ptr() % 64 == 0 and c.data_ptr() != t.data_ptr()
+    # one region, back to back: the copies do not overlap
+    spans = sorted((c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in copies)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+
+
+@thp
+@pytest.mark.parametrize("scheme", ["none", "q8_0"])
+def test_engine_weights_move_to_huge_pages(scheme: str) -> None:
+    from torch import nn
+
+    from pagoda.engine.llm_engine import move_weights_to_huge_pages
+    from pagoda.layers.q4_linear import packed_of, quantize_linears
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.embed = nn.Embedding(64, 32)
+    model.model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 32, bias=False))
+    model.lm_head = nn.Linear(32, 64, bias=False)
+    model.lm_head.weight = model.embed.weight  # tied, as the default model's
+    x = torch.randn(3, 32)
+    if scheme != "none":
+        quantize_linears(model, scheme)
+    before = model.lm_head(model.model(x))
+    moved = move_weights_to_huge_pages(model)
+    assert model.lm_head.weight is model.embed.weight
+    tensors = [p for p in model.parameters() if p.numel()] + [q.w for q in map(packed_of, model.modules()) if q]
+    assert moved == sum(t.numel() * t.element_size() for t in tensors)
+    assert all(_anon_huge_kib(t.data_ptr()) >= 2048 for t in tensors)
+    assert torch.equal(model.lm_head(model.model(x)), before)
