@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +118,16 @@ def test_engine_weights_move_to_huge_pages(scheme: str) -> None:
     assert moved == sum(t.numel() * t.element_size() for t in tensors)
     assert all(_anon_huge_kib(t.data_ptr()) >= 2048 for t in tensors)
     assert torch.equal(model.lm_head(model.model(x)), before)
+
+
+@thp
+def test_the_engine_keeps_its_weights_and_cache_on_huge_pages(tmp_path: Path) -> None:
+    from pagoda import LLM, SamplingParams
+    from tests.conftest import make_tiny_model
+
+    llm = LLM(str(make_tiny_model(tmp_path, "llama")), kv_cache_memory="8MiB")
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))  # writes the cache
+    engine = llm.engine
+    assert all(_anon_huge_kib(p.data_ptr()) >= 2048 for p in engine.model.parameters())
+    cache = engine.runner.kv_caches[0]
+    assert _anon_huge_kib(cache.k.data_ptr()) >= 2048 and _anon_huge_kib(cache.v.data_ptr()) >= 2048
