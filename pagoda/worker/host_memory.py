@@ -20,12 +20,14 @@ is `madvise` (`/sys/kernel/mm/transparent_hugepage/enabled`; this project's mach
 ship `always` or `madvise`). A decode step streams through hundreds of MB: on 4 KiB pages every 4 KiB is a TLB
 miss and a stop for the hardware prefetchers, which do not cross a page. On this project's AVX2 machine one
 150 MB read ran 16.7-22.1 GB/s on 4 KiB pages and 22.6-24.5 GB/s on huge pages, alternated, and one float32
-stream's step went from 1.34-1.39x to 1.26-1.30x of its weights' read (BENCHMARKS.md, "Huge pages"). So the
-engine copies its weights into one huge-page region at start-up (`move_to_huge_pages`) and allocates each KV
-cache tensor in one (`huge_page_zeros`; numpy's allocator, which the cache used before, advised huge pages for it
-already). Set PAGODA_HUGE_PAGES=0 to keep the weights on 4 KiB pages and leave the cache to numpy (which advises
-huge pages for arrays of 4 MiB and more itself); where the system's setting is `never`, or the platform has no
-madvise, the calls fall back to ordinary memory.
+stream's step went from 1.34-1.39x to 1.26-1.30x of its weights' read in one window (in another, no change
+beyond the drift; BENCHMARKS.md, "Huge pages"). So the engine copies its weights into one huge-page region at
+start-up (`move_to_huge_pages`), hands their old copies back to the kernel (`release_free_heap`: a q8_0 engine's
+resident memory went from 1,432 to 608 MiB), and allocates each KV cache tensor in one (`huge_page_zeros`;
+numpy's allocator, which the cache used before, advised huge pages for it already). Set PAGODA_HUGE_PAGES=0 to
+keep the weights on 4 KiB pages and leave the cache to numpy (which advises huge pages for arrays of 4 MiB and
+more itself); where the system's setting is `never`, or the platform has no madvise, the calls fall back to
+ordinary memory.
 """
 
 from __future__ import annotations
