@@ -38,6 +38,7 @@ import logging
 import mmap
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,6 +54,14 @@ _TRIM_THRESHOLD = (1 << 31) - 1
 _done: bool | None = None
 
 
+def _libc_function(name: str) -> Any:
+    """The C library's function of that name, or None where there is no such library or function (not glibc)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Applies the settings once per process; returns whether they are in effect."""
     global _done
@@ -62,10 +71,8 @@ def keep_freed_memory() -> bool:
     if os.environ.get("PAGODA_KEEP_FREED_MEMORY", "1") == "0":
         logger.info("PAGODA_KEEP_FREED_MEMORY=0: glibc malloc left at its defaults")
         return _done
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return _done  # not glibc
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     _done = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
@@ -128,8 +135,6 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 def release_free_heap() -> None:
     """Hand glibc's free heap memory back to the kernel (malloc_trim): after the weights move to huge pages, their
     old copies are free heap that keep_freed_memory's settings would otherwise keep resident."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc
+    malloc_trim = _libc_function("malloc_trim")
+    if malloc_trim is not None:  # else not glibc
+        malloc_trim(0)
