@@ -59,16 +59,19 @@ class Request:
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        self._generator: Any = None
+        self._uniforms: Any = None
 
     @property
-    def generator(self) -> Any:
-        """This request's own torch.Generator, made on first use (keeps core/ free of torch)."""
-        if self._generator is None:
+    def uniforms(self) -> Any:
+        """This request's uniform draws (pagoda.layers.sampler.UniformStream) from its own torch.Generator, seeded
+        with `seed`; made on first use (keeps core/ free of torch)."""
+        if self._uniforms is None:
             import torch
 
-            self._generator = torch.Generator().manual_seed(self.seed)
-        return self._generator
+            from pagoda.layers.sampler import UniformStream
+
+            self._uniforms = UniformStream(torch.Generator().manual_seed(self.seed))
+        return self._uniforms
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from pagoda.bench.common import machine_info
-from pagoda.layers.sampler import Sampler, SamplingRow, _inverse_cdf
+from pagoda.layers.sampler import Sampler, SamplingRow, UniformStream, _inverse_cdf
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.host_memory import keep_freed_memory
 
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     kept = keep_freed_memory() if args.keep_freed_memory else False
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(args.rows, args.vocab, generator=g) * 3
-    rows = [SamplingRow(SamplingParams(temperature=1.0), torch.Generator().manual_seed(i), [1], [], frozenset())
+    rows = [SamplingRow(SamplingParams(temperature=1.0), UniformStream(torch.Generator().manual_seed(i)), [1], [],
+                        frozenset())
             for i in range(args.rows)]
     weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
     u = torch.rand(args.rows, dtype=torch.float64, generator=g)

@@ -28,6 +28,7 @@ import ctypes
 import functools
 import logging
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,12 +42,33 @@ from pagoda.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class UniformStream:
+    """A request's uniform draws in [0, 1), float64: the values torch.rand gives one at a time from its generator,
+    drawn BLOCK at a time. In a step's Python, after the forward has streamed the weights through the caches,
+    each torch op costs ~100 us (one 0-d draw: 88 us a step in a one-stream engine, 8 us alone; BENCHMARKS.md,
+    "The sampler's bookkeeping"): one op per BLOCK steps instead of one a step. Nothing else may draw from the
+    generator, or the values would no longer follow each other."""
+
+    BLOCK = 64
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+        self._left: list[float] = []  # the block's values not taken yet, the next one last
+
+    def next(self) -> float:
+        if not self._left:
+            block = torch.rand(self.BLOCK, dtype=torch.float64, generator=self.generator,
+                               device=self.generator.device)
+            self._left = block.tolist()[::-1]
+        return self._left.pop()
+
+
 @dataclass
 class SamplingRow:
     """One request's row of logits this step."""
 
     params: SamplingParams
-    generator: torch.Generator  # owned by the request: seeded from params.seed, or randomly
+    uniforms: UniformStream  # owned by the request: its generator seeded from params.seed, or randomly
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far, before this step
     eos_token_ids: frozenset[int]
@@ -230,9 +252,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     # Inverse-CDF sampling with one uniform draw per row from the row's own generator, so the
     # tokens depend only on the request's seed and its own logits, not on the rest of the batch.
     # (One draw per row instead of one per vocab entry: far cheaper on CPU.)
-    u = torch.stack([
-        torch.rand((), dtype=torch.float64, generator=r.generator, device=r.generator.device) for r in rows
-    ]).to(device)  # (r,) in [0, 1)
+    u = torch.tensor([r.uniforms.next() for r in rows], dtype=torch.float64, device=device)  # (r,) in [0, 1)
     return _inverse_cdf(weights, u)
 
 
@@ -258,7 +278,7 @@ def _logprob_dicts(
 
 
 def _top_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
+    logits: torch.Tensor, token_ids: list[int], rows: list[SamplingRow]
 ) -> list[dict[int, float] | None]:
     """The chosen token and the top-N raw logprobs, for the rows that ask for logprobs (only
     those rows pay for a full log_softmax)."""
@@ -266,8 +286,9 @@ def _top_logprobs(
     asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if asked:
         idx = torch.tensor(asked, dtype=torch.long, device=logits.device)
+        chosen = torch.tensor([token_ids[i] for i in asked], dtype=torch.long, device=logits.device)
         nums = [rows[i].params.logprobs or 0 for i in asked]
-        entries = _logprob_dicts(logits[idx], token_ids[idx], nums)
+        entries = _logprob_dicts(logits[idx], chosen, nums)
         for i, entry in zip(asked, entries, strict=True):
             out[i] = entry
     return out
@@ -300,7 +321,7 @@ def _plain(row: SamplingRow, vocab: int) -> bool:
 
 
 class Sampler:
-    """Stateless: everything a row needs (params, generator, history) comes in its SamplingRow."""
+    """Stateless: everything a row needs (params, uniform draws, history) comes in its SamplingRow."""
 
     def __init__(self) -> None:
         self.lib: Any = None  # sampler.cpp, once enable_fused built it
@@ -325,45 +346,47 @@ class Sampler:
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()
         n, vocab = logits.shape
-        token_ids = torch.empty(n, dtype=torch.long, device=logits.device)
-        logprobs = torch.empty(n, dtype=torch.float64, device=logits.device)
+        # Python lists, not tensors: the caller wants lists, and with one or a few rows a step the ops that
+        # build, scatter and convert small tensors cost more than the sampling itself (BENCHMARKS.md, "The
+        # sampler's bookkeeping").
+        token_ids, logprobs = [0] * n, [0.0] * n
         fused = []
         if self.lib is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
             fused = [i for i, r in enumerate(rows) if _plain(r, vocab)]
         if fused:
-            self._sample_plain(logits, rows, fused, token_ids, logprobs)
+            ids, lps = self._sample_plain(logits, rows, fused)
+            for j, i in enumerate(fused):
+                token_ids[i], logprobs[i] = ids[j], lps[j]
         taken = set(fused)
-        rest = [i for i in range(n) if i not in taken]
+        rest = [i for i in range(n) if i not in taken] if len(fused) < n else []
         if rest:
             idx = _row_index(rest, n, logits.device)
-            ids, lps = _sample_torch(logits[idx], [rows[i] for i in rest])
-            token_ids[idx], logprobs[idx] = ids, lps.to(torch.float64)
-        return SamplerOutput(
-            token_ids=token_ids.tolist(),
-            logprobs=logprobs.tolist(),
-            top_logprobs=_top_logprobs(logits, token_ids, rows),
-        )
+            ids_t, lps_t = _sample_torch(logits[idx], [rows[i] for i in rest])
+            for i, t, lp in zip(rest, ids_t.tolist(), lps_t.tolist(), strict=True):
+                token_ids[i], logprobs[i] = t, lp
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs,
+                             top_logprobs=_top_logprobs(logits, token_ids, rows))
 
-    def _sample_plain(self, logits: torch.Tensor, rows: list[SamplingRow], which: list[int],
-                      token_ids: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """The C++ pass over rows `which` of logits (float32, on the CPU); fills their token ids and logprobs."""
+    def _sample_plain(self, logits: torch.Tensor, rows: list[SamplingRow],
+                      which: list[int]) -> tuple[list[int], list[float]]:
+        """The C++ pass over rows `which` of logits (float32, on the CPU): their token ids and logprobs."""
         if logits.stride(1) != 1:
             logits = logits.contiguous()
         n, vocab = len(which), logits.shape[1]
-        picks = torch.tensor(which, dtype=torch.long)
-        temps = torch.tensor([rows[i].params.temperature for i in which], dtype=torch.float32)
+        picks = array("q", which)
+        temps = array("f", [rows[i].params.temperature for i in which])
         # one draw per random row from its own generator, as the torch path draws it (greedy rows draw none)
-        u = torch.tensor([0.0 if rows[i].params.greedy else float(
-            torch.rand((), dtype=torch.float64, generator=rows[i].generator, device=rows[i].generator.device))
-            for i in which], dtype=torch.float64)
-        every = n == token_ids.shape[0]  # all rows, in order: written in place (two ops fewer a step)
-        ids = token_ids if every else torch.empty(n, dtype=torch.long)
-        lps = logprobs if every else torch.empty(n, dtype=torch.float64)
-        work = torch.empty(n * -(-vocab // _CDF_CHUNK), dtype=torch.float64)
-        self.lib.pagoda_sample_plain(logits.data_ptr(), picks.data_ptr(), n, vocab, logits.stride(0),
-                                     temps.data_ptr(), u.data_ptr(), ids.data_ptr(), lps.data_ptr(), work.data_ptr())
-        if not every:
-            token_ids[picks], logprobs[picks] = ids, lps
+        u = array("d", [0.0 if rows[i].params.greedy else rows[i].uniforms.next() for i in which])
+        ids, lps = array("q", bytes(8 * n)), array("d", bytes(8 * n))
+        work = array("d", bytes(8 * n * -(-vocab // _CDF_CHUNK)))
+        self.lib.pagoda_sample_plain(logits.data_ptr(), _address(picks), n, vocab, logits.stride(0),
+                                     _address(temps), _address(u), _address(ids), _address(lps), _address(work))
+        return ids.tolist(), lps.tolist()
+
+
+def _address(values: array) -> int:
+    """Where an array's items start (the array must outlive the call that reads them)."""
+    return values.buffer_info()[0]
 
 
 def _sample_torch(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:

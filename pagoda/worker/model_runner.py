@@ -68,7 +68,7 @@ class ModelRunner:
         if inputs.sample_rows:
             rows_all = inputs.sample_rows == list(range(hidden.shape[0]))  # decode steps: no copy (an op less)
             logits = self._logits(hidden if rows_all else hidden[inputs.sample_rows])
-            rows = [SamplingRow(params=s.request.params, generator=s.request.generator,
+            rows = [SamplingRow(params=s.request.params, uniforms=s.request.uniforms,
                                 prompt_token_ids=s.request.prompt_token_ids,
                                 output_token_ids=s.request.output_token_ids,
                                 eos_token_ids=s.request.eos_token_ids) for s in inputs.sample_seqs]

@@ -12,6 +12,7 @@ import torch
 from pagoda.layers.sampler import (
     Sampler,
     SamplingRow,
+    UniformStream,
     _apply_top_k,
     _apply_top_k_top_p,
     _inverse_cdf,
@@ -43,13 +44,17 @@ def _row(
     output: Sequence[int] = (),
     prompt: Sequence[int] = (1, 2, 3),
     eos: frozenset[int] = frozenset({0}),
-    generator: torch.Generator | None = None,
+    uniforms: UniformStream | None = None,
     **params: Any,
 ) -> SamplingRow:
     p = SamplingParams(**params)
-    gen = generator if generator is not None else torch.Generator().manual_seed(p.seed or 0)
-    return SamplingRow(params=p, generator=gen, prompt_token_ids=list(prompt), output_token_ids=list(output),
+    draws = uniforms if uniforms is not None else _stream(p.seed or 0)
+    return SamplingRow(params=p, uniforms=draws, prompt_token_ids=list(prompt), output_token_ids=list(output),
                        eos_token_ids=eos)
+
+
+def _stream(seed: int) -> UniformStream:
+    return UniformStream(torch.Generator().manual_seed(seed))
 
 
 def _logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
@@ -69,7 +74,7 @@ def test_greedy_rows_do_not_touch_generator_or_input() -> None:
     before = logits.clone()
     gen = torch.Generator().manual_seed(5)
     state = gen.get_state()
-    Sampler()(logits, [_row(temperature=0.0, generator=gen, repetition_penalty=1.5, logit_bias={3: 5.0}),
+    Sampler()(logits, [_row(temperature=0.0, uniforms=UniformStream(gen), repetition_penalty=1.5, logit_bias={3: 5.0}),
                        _row(temperature=0.7, seed=1, presence_penalty=1.0, output=[4, 4])])
     assert torch.equal(gen.get_state(), state)
     assert torch.equal(logits, before)  # the caller's logits are never modified
@@ -78,14 +83,14 @@ def test_greedy_rows_do_not_touch_generator_or_input() -> None:
 def _run_steps(seed_row_index: int, others: list[dict[str, Any]], steps: int = 20) -> list[int]:
     """Samples `steps` tokens for a seeded row placed at seed_row_index among other rows."""
     target: dict[str, Any] = dict(temperature=0.8, top_p=0.9, top_k=20, seed=1234)
-    gens = [torch.Generator().manual_seed(p.get("seed", 99 + i)) for i, p in enumerate(others)]
-    target_gen = torch.Generator().manual_seed(1234)
+    gens = [_stream(p.get("seed", 99 + i)) for i, p in enumerate(others)]
+    target_gen = _stream(1234)
     outputs: list[list[int]] = [[] for _ in others]
     tokens: list[int] = []
     sampler = Sampler()
     for step in range(steps):
-        rows = [_row(output=outputs[i], generator=gens[i], **p) for i, p in enumerate(others)]
-        rows.insert(seed_row_index, _row(output=tokens, generator=target_gen, **target))
+        rows = [_row(output=outputs[i], uniforms=gens[i], **p) for i, p in enumerate(others)]
+        rows.insert(seed_row_index, _row(output=tokens, uniforms=target_gen, **target))
         step_logits = _logits(len(rows), seed=1000 + step)
         # The seeded row sees the same logits whatever its position in the batch.
         step_logits[seed_row_index] = _logits(1, seed=step)[0]
@@ -137,9 +142,9 @@ def test_tiny_top_p_keeps_only_the_top_token() -> None:
 def test_min_p_drops_tokens_below_threshold() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(400, 4).contiguous()
-    gen = torch.Generator().manual_seed(0)
+    gen = _stream(0)
     # min_p 0.4: threshold 0.2 = 0.4 * 0.5, so only tokens 0 and 1 survive.
-    out = Sampler()(logits, [_row(temperature=1.0, min_p=0.4, generator=gen) for _ in range(400)])
+    out = Sampler()(logits, [_row(temperature=1.0, min_p=0.4, uniforms=gen) for _ in range(400)])
     assert set(out.token_ids) == {0, 1}
 
 
@@ -268,8 +273,8 @@ def test_sampling_frequencies_match_distribution(params: dict[str, Any]) -> None
     probs = [0.1, 0.2, 0.3, 0.4]
     n = 4000
     logits = torch.tensor(probs).log().expand(n, 4).contiguous()
-    gen = torch.Generator().manual_seed(0)  # deterministic; shared by all rows, drawn in order
-    out = Sampler()(logits, [_row(generator=gen, **params) for _ in range(n)])
+    gen = _stream(0)  # deterministic; shared by all rows, drawn in order
+    out = Sampler()(logits, [_row(uniforms=gen, **params) for _ in range(n)])
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=4).tolist()
     for count, p in zip(counts, _expected(probs, **params), strict=True):
         sigma = math.sqrt(n * p * (1 - p))
@@ -311,8 +316,8 @@ def test_random_sampling_follows_the_distribution_over_a_large_vocab() -> None:
     probs = torch.zeros(vocab)
     probs[[3, 400, 401, 999]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
     logits = probs.log().expand(n, vocab).contiguous()
-    gen = torch.Generator().manual_seed(0)
-    rows = [_row(generator=gen, temperature=1.0) for _ in range(n)]
+    gen = _stream(0)
+    rows = [_row(uniforms=gen, temperature=1.0) for _ in range(n)]
     counts = torch.bincount(torch.tensor(Sampler()(logits, rows).token_ids), minlength=vocab).double() / n
     assert set(torch.nonzero(counts).flatten().tolist()) <= {3, 400, 401, 999}
     # 4 standard deviations of a frequency of 4,000 draws is at most 0.031
@@ -383,11 +388,11 @@ def test_a_plain_seeded_row_gives_the_same_tokens_whatever_the_batch() -> None:
     sampler = _fused_sampler()
 
     def tokens(others: list[dict[str, Any]], where: int) -> list[int]:
-        gen, out = torch.Generator().manual_seed(77), []
-        other_gens = [torch.Generator().manual_seed(i) for i in range(len(others))]
+        gen, out = _stream(77), []
+        other_gens = [_stream(i) for i in range(len(others))]
         for step in range(20):
-            rows = [_row(generator=other_gens[i], **p) for i, p in enumerate(others)]
-            rows.insert(where, _row(temperature=0.9, generator=gen))
+            rows = [_row(uniforms=other_gens[i], **p) for i, p in enumerate(others)]
+            rows.insert(where, _row(temperature=0.9, uniforms=gen))
             lo = _logits(len(rows), seed=500 + step)
             lo[where] = _logits(1, seed=step)[0]
             out.append(sampler(lo, rows).token_ids[where])
@@ -412,3 +417,13 @@ def test_a_failed_build_leaves_every_row_to_the_torch_code(monkeypatch: pytest.M
     assert sampler.lib is None and "no compiler" in caplog.text
     logits = _logits(3)
     assert sampler(logits, [_row(temperature=0.0) for _ in range(3)]).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_uniform_stream_gives_the_draws_one_at_a_time_would() -> None:
+    """Drawn a block at a time, the values are those of torch.rand called once per draw, across blocks, so a
+    seed's tokens are what they were with one draw a step."""
+    stream, gen = _stream(3), torch.Generator().manual_seed(3)
+    n = 2 * UniformStream.BLOCK + 5
+    one_at_a_time = [float(torch.rand((), dtype=torch.float64, generator=gen)) for _ in range(n)]
+    assert [stream.next() for _ in range(n)] == one_at_a_time
+    assert len(set(one_at_a_time)) == n
