@@ -358,7 +358,7 @@ class Sampler:
             for j, i in enumerate(fused):
                 token_ids[i], logprobs[i] = ids[j], lps[j]
         taken = set(fused)
-        rest = [i for i in range(n) if i not in taken] if len(fused) < n else []
+        rest = [i for i in range(n) if i not in taken]
         if rest:
             idx = _row_index(rest, n, logits.device)
             ids_t, lps_t = _sample_torch(logits[idx], [rows[i] for i in rest])
