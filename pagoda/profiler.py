@@ -6,7 +6,8 @@ or score prompt tokens) is reported apart from "sampling", which then holds the 
 forward pass, forward hooks time the modules by kind (attention and MLP blocks, their linear layers, norms,
 embedding). A step that one sequence's decode runs as one C++ call (pagoda/model/one_stream.py) runs no hooks:
 its forward is "forward/one_call", and the C++ loop times each kind of call in it ("forward/one_call/qkv_proj",
-".../attention", ...); the by-kind rows above cover the other steps only. Off unless asked for: the
+".../attention", ...); the by-kind rows above cover the other steps only. Such a step's lm_head runs in the same
+call (".../lm_head"), so its "logits" phase only hands those logits back. Off unless asked for: the
 engine then uses `NULL_PROFILER`, whose phases cost one no-op context manager.
 """
 

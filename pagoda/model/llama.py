@@ -195,6 +195,8 @@ class LlamaForCausalLM(nn.Module):
         self.compiled_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.compiled_one_stream: Callable[..., torch.Tensor] | None = None
         self.one_stream_forward: OneStreamForward | None = None  # enable_one_stream_forward
+        # the last one-call step's final hidden states and the logits that call computed for them (compute_logits)
+        self._one_call_logits: tuple[torch.Tensor, torch.Tensor] | None = None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -208,9 +210,13 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.compiled_one_stream is not None and (inputs := one_stream_decode_inputs(meta)) is not None:
             return self.compiled_one_stream(input_ids, positions, *inputs)
+        self._one_call_logits = None
         one_call = self.one_stream_forward
         if one_call is not None and (out := one_call(input_ids, positions, meta)) is not None:
-            return out
+            hidden, logits = out
+            if logits is not None:
+                self._one_call_logits = hidden, logits
+            return hidden
         if self.compiled_forward is not None:
             with step_context(self.backend, kv_caches, meta):
                 return self.compiled_forward(input_ids, positions)
@@ -262,6 +268,12 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.enable_cpp(dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head on hidden states; for the hidden states a one-call step returned, the logits that call
+        computed with the same kernel (pagoda/model/one_stream.py)."""
+        done = self._one_call_logits
+        if done is not None and hidden is done[0]:
+            self._one_call_logits = None
+            return done[1]
         return self.lm_head(hidden)
 
     def checkpoint_parameters(self) -> dict[str, tuple[str, slice]]:

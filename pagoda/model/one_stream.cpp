@@ -46,7 +46,8 @@ using decode_fn = void (*)(const float* q, const void* k, const void* v, const v
                            const float* table, const int64_t* block_tables, const int64_t* seq_lens, float* out,
                            float* work, int64_t B, int64_t W, int64_t span_blocks, float qscale);
 
-// fns: gemv, add_rms_norm, rotary, silu_mul, write_kv, paged_decode.
+// fns: gemv, add_rms_norm, rotary, silu_mul, write_kv, paged_decode, and the lm_head's linear (the GEMV, or a
+// quantized model's Q8_0 kernel, whose signature is the GEMV's).
 // layers: per layer LAYER_PTRS addresses, in this order: input norm weight, qkv weight, qkv bias (or null),
 // o weight, o bias (or null), post-attention norm weight, gate_up weight, down weight, K cache, V cache.
 // dims: hidden, q heads, KV heads, head_dim, intermediate. bufs: residual (hidden), h (hidden), qkv, q as
@@ -54,13 +55,14 @@ using decode_fn = void (*)(const float* q, const void* k, const void* v, const v
 // elem_t except the two float32 ones (unused for a float32 model, whose q and output the kernel takes as they are),
 // the decode kernel's work, and the token's K and V in the cache's dtype (2 x KV heads x head_dim; used when that
 // is not the model's). ids, slot, seq_len: (1,); block_table (1, W); cos, sin: (head_dim) of this
-// position. out: the final norm's output (hidden). ts: null, or OP_COUNT doubles to which each kind
-// of call adds its wall time, in this order: norm, qkv_proj, rotary, write_kv, attention (with the bfloat16
-// model's conversions of q and of the output), o_proj, gate_up_proj, silu_mul, down_proj (`--profile` reports
-// them; two clock reads a call, ~20 us a step).
+// position. out: the final norm's output (hidden). lm_w, logits, V: the lm_head's weight (plain or packed), and
+// where its V outputs go (the lm_head's output dtype); logits null: no lm_head. ts: null, or OP_COUNT doubles to
+// which each kind of call adds its wall time, in this order: norm, qkv_proj, rotary, write_kv, attention (with the
+// bfloat16 model's conversions of q and of the output), o_proj, gate_up_proj, silu_mul, down_proj, lm_head
+// (`--profile` reports them; two clock reads a call, ~20 us a step).
 constexpr int64_t LAYER_PTRS = 10;
 enum OneStreamOp {
-  OP_NORM, OP_QKV, OP_ROTARY, OP_WRITE_KV, OP_ATTENTION, OP_O, OP_GATE_UP, OP_SILU_MUL, OP_DOWN, OP_COUNT
+  OP_NORM, OP_QKV, OP_ROTARY, OP_WRITE_KV, OP_ATTENTION, OP_O, OP_GATE_UP, OP_SILU_MUL, OP_DOWN, OP_LM_HEAD, OP_COUNT
 };
 
 static inline double seconds_now() {
@@ -87,13 +89,14 @@ extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers,
                                           const void* cos, const void* sin, const int64_t* slot,
                                           const int64_t* block_table,
                                           const int64_t* seq_len, int64_t W, int64_t span_blocks, void* out,
-                                          double* ts) {
+                                          const void* lm_w, void* logits, int64_t V, double* ts) {
   const auto gemv = reinterpret_cast<gemv_fn>(fns[0]);
   const auto norm = reinterpret_cast<norm_fn>(fns[1]);
   const auto rotary = reinterpret_cast<rotary_fn>(fns[2]);
   const auto silu_mul = reinterpret_cast<silu_mul_fn>(fns[3]);
   const auto write_kv = reinterpret_cast<write_kv_fn>(fns[4]);
   const auto decode = reinterpret_cast<decode_fn>(fns[5]);
+  const auto lm_head = reinterpret_cast<gemv_fn>(fns[6]);
   const int64_t H = dims[0], HQ = dims[1], HKV = dims[2], D = dims[3], I = dims[4];
   const int64_t QS = HQ * D, KVS = HKV * D, QKV = QS + 2 * KVS;
   auto* residual = static_cast<elem_t*>(bufs[0]);
@@ -145,4 +148,5 @@ extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers,
     timed(ts, OP_DOWN, [&] { gemv(act, p[7], nullptr, x, 1, H, I); });
   }
   timed(ts, OP_NORM, [&] { norm(x, H, residual, final_norm, out, 1, H, eps); });
+  if (logits != nullptr) timed(ts, OP_LM_HEAD, [&] { lm_head(out, lm_w, nullptr, logits, 1, V, H); });
 }

@@ -46,7 +46,8 @@ _SOURCE = Path(__file__).with_name("one_stream.cpp")
 _LAYER_PTRS = 10  # as in one_stream.cpp
 # The kinds of call the forward can time (one_stream.cpp's OneStreamOp, in its order): `--profile` reports each
 # as forward/one_call/<kind>.
-OPS = ("norm", "qkv_proj", "rotary", "write_kv", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj")
+OPS = ("norm", "qkv_proj", "rotary", "write_kv", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj",
+       "lm_head")
 _ELEM = {torch.float32: 0, torch.bfloat16: 1}  # one_stream.cpp's PAGODA_ELEM
 _CACHE_ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # its PAGODA_CACHE_ELEM
 
@@ -56,8 +57,10 @@ def _address(fn: Any) -> int:
 
 
 class OneStreamForward:
-    """forward(input_ids, positions, meta) -> final hidden (1, hidden) for a step that is one sequence's
-    decode, else None."""
+    """forward(input_ids, positions, meta) -> (final hidden (1, hidden), logits (1, vocab)) for a step that is one
+    sequence's decode, else None. The lm_head runs in the same call (its Python call, after the weights have
+    streamed through the caches, cost ~0.25 ms a step; BENCHMARKS.md, "The lm_head in the one-call forward"), where
+    it takes the GEMV or a packed Q8_0 or Q4_1 kernel; otherwise logits is None and the caller runs the lm_head."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKVCache], lib: Any) -> None:
         cfg = model.config
@@ -68,8 +71,14 @@ class OneStreamForward:
         dtype = self._dtype = model.model.embed_tokens.weight.dtype
         quantized = packed_of(first_attn.qkv_proj)  # if it runs a packed kernel, all run that one (_unsupported)
         linear_fn = quantized.kernel if quantized is not None else gemv_function(_gemv_library(), dtype)
+        lm_head = _lm_head(model)
+        self._lm_w = lm_head[1] if lm_head is not None else None
+        self._vocab = model.lm_head.out_features
+        # what the lm_head's own forward returns: a packed kernel's float32, the GEMV's the weight's dtype
+        self._logits_dtype = torch.float32 if packed_of(model.lm_head) is not None else model.lm_head.weight.dtype
         fns = [linear_fn, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
-               elementwise.pagoda_silu_mul, attention.pagoda_write_kv, attention.pagoda_paged_decode]
+               elementwise.pagoda_silu_mul, attention.pagoda_write_kv, attention.pagoda_paged_decode,
+               lm_head[0] if lm_head is not None else linear_fn]
         self._fns = (ctypes.c_void_p * len(fns))(*[_address(f) for f in fns])
 
         def ptr(t: torch.Tensor | None) -> int | None:
@@ -120,10 +129,11 @@ class OneStreamForward:
         return len(groups) == 1 and groups[0].whole_step and groups[0].rows.shape[0] == 1
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 op_seconds: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The step's final hidden states, or None if it is not one sequence's decode (or torch's thread
-        count grew past what the work buffer was sized for): the eager forward then runs it. op_seconds: float64
-        (len(OPS),), to which each kind of call adds its wall time."""
+                 op_seconds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The step's final hidden states and logits (None where the lm_head is not in the call), or None if it
+        is not one sequence's decode (or torch's thread count grew past what the work buffer was sized for): the
+        eager forward then runs it. op_seconds: float64 (len(OPS),), to which each kind of call adds its wall
+        time."""
         if not self.applies(meta):
             return None
         group = meta.decode_groups[0]
@@ -144,17 +154,34 @@ class OneStreamForward:
         if spans > self._max_spans:
             return None
         out = torch.empty((1, self._hidden), dtype=self._dtype)
+        logits = None if self._lm_w is None else torch.empty((1, self._vocab), dtype=self._logits_dtype)
         self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale, self._bufs,
                  ids.data_ptr(), self._embed.data_ptr(), self._final_norm.data_ptr(), cos, sin,
                  slot.data_ptr(), table.data_ptr(), seq_len.data_ptr(), width, span_blocks, out.data_ptr(),
+                 self._lm_w, None if logits is None else logits.data_ptr(), self._vocab,
                  None if op_seconds is None else _seconds_buffer(op_seconds))
-        return out
+        return out, logits
 
 
 def _seconds_buffer(op_seconds: torch.Tensor) -> int:
     if op_seconds.dtype != torch.float64 or op_seconds.shape != (len(OPS),) or not op_seconds.is_contiguous():
         raise ValueError(f"op_seconds must be a contiguous float64 tensor of shape ({len(OPS)},)")
     return op_seconds.data_ptr()
+
+
+def _lm_head(model: LlamaForCausalLM) -> tuple[Any, int] | None:
+    """The lm_head's kernel and weight address, where its forward on one row is a call the loop can make: the GEMV
+    (installed by enable_gemv) or a packed Q8_0/Q4_1 kernel, without a bias; else None."""
+    lm = model.lm_head
+    if lm.bias is not None:
+        return None
+    packed = packed_of(lm)
+    if packed is not None:  # it takes float32 rows: a float32 model's final norm
+        float32 = model.model.embed_tokens.weight.dtype == torch.float32
+        return (packed.kernel, packed.w.data_ptr()) if packed.bias is None and float32 else None
+    if getattr(lm, "_pagoda_gemv", None) is None or not lm.weight.is_contiguous():
+        return None
+    return gemv_function(_gemv_library(), lm.weight.dtype), lm.weight.data_ptr()
 
 
 def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
@@ -220,7 +247,7 @@ def build(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> tuple[OneSt
         return None, time.perf_counter() - start
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_one_stream_forward.argtypes = [ptr, ptr, i64, ptr, ctypes.c_float, ctypes.c_float] + [ptr] * 9 + \
-        [i64, i64, ptr, ptr]
+        [i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.pagoda_one_stream_forward.restype = None
     forward = OneStreamForward(model, kv_caches, lib)
     seconds = time.perf_counter() - start
