@@ -208,9 +208,9 @@ class LlamaForCausalLM(nn.Module):
         Runs the compiled forward when `enable_compiled_forward()` made one, and one sequence's decode steps
         in one C++ call when `enable_one_stream_forward()` could build it.
         """
+        self._one_call_logits = None
         if self.compiled_one_stream is not None and (inputs := one_stream_decode_inputs(meta)) is not None:
             return self.compiled_one_stream(input_ids, positions, *inputs)
-        self._one_call_logits = None
         one_call = self.one_stream_forward
         if one_call is not None and (out := one_call(input_ids, positions, meta)) is not None:
             hidden, logits = out
