@@ -73,9 +73,8 @@ class OneStreamForward:
         linear_fn = quantized.kernel if quantized is not None else gemv_function(_gemv_library(), dtype)
         lm_head = _lm_head(model)
         self._lm_w = lm_head[1] if lm_head is not None else None
+        self._logits_dtype = lm_head[2] if lm_head is not None else dtype
         self._vocab = model.lm_head.out_features
-        # what the lm_head's own forward returns: a packed kernel's float32, the GEMV's the weight's dtype
-        self._logits_dtype = torch.float32 if packed_of(model.lm_head) is not None else model.lm_head.weight.dtype
         fns = [linear_fn, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
                elementwise.pagoda_silu_mul, attention.pagoda_write_kv, attention.pagoda_paged_decode,
                lm_head[0] if lm_head is not None else linear_fn]
@@ -169,19 +168,20 @@ def _seconds_buffer(op_seconds: torch.Tensor) -> int:
     return op_seconds.data_ptr()
 
 
-def _lm_head(model: LlamaForCausalLM) -> tuple[Any, int] | None:
-    """The lm_head's kernel and weight address, where its forward on one row is a call the loop can make: the GEMV
-    (installed by enable_gemv) or a packed Q8_0/Q4_1 kernel, without a bias; else None."""
-    lm = model.lm_head
+def _lm_head(model: LlamaForCausalLM) -> tuple[Any, int, torch.dtype] | None:
+    """The lm_head's kernel, weight address and output dtype (what its own forward returns), where its forward on
+    the final norm's one row (of the model's dtype) is a call the loop can make: the GEMV (installed by enable_gemv)
+    or a packed Q8_0/Q4_1 kernel, without a bias; else None."""
+    lm, dtype = model.lm_head, model.model.embed_tokens.weight.dtype
     if lm.bias is not None:
         return None
     packed = packed_of(lm)
-    if packed is not None:  # it takes float32 rows: a float32 model's final norm
-        float32 = model.model.embed_tokens.weight.dtype == torch.float32
-        return (packed.kernel, packed.w.data_ptr()) if packed.bias is None and float32 else None
-    if getattr(lm, "_pagoda_gemv", None) is None or not lm.weight.is_contiguous():
+    if packed is not None:  # it takes float32 rows and writes float32
+        ok = packed.bias is None and dtype == torch.float32
+        return (packed.kernel, packed.w.data_ptr(), torch.float32) if ok else None
+    if getattr(lm, "_pagoda_gemv", None) is None or not lm.weight.is_contiguous() or lm.weight.dtype != dtype:
         return None
-    return gemv_function(_gemv_library(), lm.weight.dtype), lm.weight.data_ptr()
+    return gemv_function(_gemv_library(), dtype), lm.weight.data_ptr(), dtype
 
 
 def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
