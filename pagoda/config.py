@@ -96,9 +96,10 @@ class ModelConfig:
 
 QUANTIZATIONS = ("none", "q4_1", "q8_0")  # ModelConfig.quantization
 
-# auto: the model dtype; bfloat16 / float16: 16-bit floats (under a float32 model: half the bytes); int8 / fp8
-# (float8 e4m3): quantized with float16 scales (pagoda/layers/kv_quant.py)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8")
+# auto: the model dtype, float16 under a weight quantization (kv_cache_spec in pagoda/layers/kv_quant.py says
+# why); float32: a float32 model's own (a quantized one's too); bfloat16 / float16: 16-bit floats (under a
+# float32 model: half the bytes); int8 / fp8 (float8 e4m3): quantized with float16 scales
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 KV_CACHE_SCALE_GRANULARITIES = ("token", "block")  # int8/fp8 scales per (token, kv head) or (block, kv head)
 
 

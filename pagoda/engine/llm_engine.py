@@ -77,7 +77,7 @@ class LLMEngine:
         self.model, self.arch, self.tokenizer = loaded.model, loaded.arch, loaded.tokenizer
         budget = config.cache.kv_cache_memory or default_kv_cache_memory()
         plan = plan_kv_cache(self.arch, mc.torch_dtype, config.cache.block_size, budget, config.cache.kv_cache_dtype,
-                             config.cache.kv_cache_scale_granularity)
+                             config.cache.kv_cache_scale_granularity, mc.quantization)
         max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         self.limits = EngineLimits(max_model_len, min(max_model_len, plan.num_tokens), plan)
         caches = allocate_kv_cache(self.arch, plan, mc.torch_dtype)

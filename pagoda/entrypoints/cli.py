@@ -25,9 +25,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache budget, bytes or a size like 512MiB (default: 20%% of free RAM, at most 4GiB)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache storage: auto = the model dtype; float16 or bfloat16 (a float32 model's K and V "
-                        "rounded to 16 bits: twice the tokens); int8 or fp8 (e4m3) with a float16 scale per "
-                        "(token, kv head)")
+                   help="KV cache storage: auto = the model dtype (float16 under --quantization); float32 (a "
+                        "float32 model's); float16 or bfloat16 (a float32 model's K and V rounded to 16 bits: "
+                        "twice the tokens); int8 or fp8 (e4m3) with a float16 scale per (token, kv head)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -175,11 +175,12 @@ def cmd_kv_calc(args: argparse.Namespace) -> int:
     arch = load_arch(args.model)
     dtype = ModelConfig(dtype=args.dtype).torch_dtype
     budget = parse_size(args.kv_cache_memory) if args.kv_cache_memory else default_kv_cache_memory()
-    plan = plan_kv_cache(arch, dtype, args.block_size, budget, args.kv_cache_dtype)
+    plan = plan_kv_cache(arch, dtype, args.block_size, budget, args.kv_cache_dtype, quantization=args.quantization)
     contexts = args.context_len or [arch.max_position_embeddings]
     scale_bytes_per_token = plan.scale_bytes_per_block / plan.block_size
     result = {
-        "model": args.model, "dtype": str(dtype).removeprefix("torch."), "kv_cache_dtype": args.kv_cache_dtype,
+        "model": args.model, "dtype": str(dtype).removeprefix("torch."), "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "kv_cache_storage": plan.spec.name,
         "num_layers": arch.num_layers, "num_kv_heads": arch.num_kv_heads, "num_heads": arch.num_heads,
         "head_dim": arch.head_dim, "bytes_per_element": plan.spec.element_bytes,
@@ -273,7 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--block-size", type=int, default=16)
     kv.add_argument("--kv-cache-memory", default=None, help="budget, e.g. 512MiB (default: as the engine)")
     kv.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                    help="auto = the model dtype; float16 or bfloat16; int8 or fp8 with float16 scales")
+                    help="auto = the model dtype (float16 under --quantization); float32; float16 or bfloat16; "
+                         "int8 or fp8 with float16 scales")
+    kv.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                    help="the engine's weight quantization, which auto depends on")
     kv.add_argument("--context-len", type=int, action="append", help="context length (repeatable)")
     kv.add_argument("--json", action="store_true")
     add_serve_parser(sub)

@@ -2,7 +2,8 @@
 
 bytes per token = layers x 2 (K and V) x kv_heads x (head_dim x element bytes + scale bytes); the
 number of blocks is the budget divided by the bytes of one block (block_size tokens). Elements are
-in the model dtype (kv_cache_dtype "auto"), in bfloat16 / float16, or int8 / fp8 with float16 scales per
+in the model dtype (kv_cache_dtype "auto", which is float16 under a weight quantization; or "float32"), in
+bfloat16 / float16, or int8 / fp8 with float16 scales per
 (token, kv head) or per (block, kv head) (see pagoda/layers/kv_quant.py).
 """
 
@@ -64,9 +65,11 @@ class KVCachePlan:
 
 
 def plan_kv_cache(arch: ArchConfig, dtype: torch.dtype, block_size: int, budget_bytes: int,
-                  kv_cache_dtype: str = "auto", scale_granularity: str = "token") -> KVCachePlan:
-    """dtype: the model's; kv_cache_dtype: 'auto' (the model's), 'bfloat16', 'float16', 'int8' or 'fp8'."""
-    spec = kv_cache_spec(kv_cache_dtype, dtype, scale_granularity)
+                  kv_cache_dtype: str = "auto", scale_granularity: str = "token",
+                  quantization: str = "none") -> KVCachePlan:
+    """dtype: the model's; kv_cache_dtype and quantization (the model's weight quantization, which 'auto'
+    depends on): as kv_cache_spec takes them."""
+    spec = kv_cache_spec(kv_cache_dtype, dtype, scale_granularity, quantization=quantization)
     per_block = arch.num_layers * 2 * spec.bytes_per_block(block_size, arch.num_kv_heads, arch.head_dim)
     scale_bytes = arch.num_layers * 2 * spec.scale_bytes_per_block(block_size, arch.num_kv_heads)
     per_token = per_block // block_size if per_block % block_size == 0 else per_block / block_size
@@ -90,7 +93,7 @@ def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype) -
     (`k_cache_layout`, for the C++ decode kernel); both are indexed the same way.
 
     Zeroed, not empty: padded decode gathers read unused slots, and garbage could hold NaNs (a zero
-    scale dequantizes to zeros too). dtype is the model's; with kv_cache_dtype "auto" it is the storage.
+    scale dequantizes to zeros too). dtype is the model's; the plan's spec holds the storage's.
     """
     spec = plan.spec
     assert spec.quantized or spec.storage_dtype.is_floating_point, (spec, dtype)

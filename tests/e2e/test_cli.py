@@ -46,3 +46,16 @@ def test_kv_calc_uses_kv_heads(capsys: pytest.CaptureFixture) -> None:
     assert out["bytes_per_token"] == 30 * 2 * 3 * 64 * 4
     assert out["num_blocks"] == 512 * 2**20 // (out["bytes_per_token"] * 16)
     assert out["max_concurrency"]["2048"] == out["num_blocks"] // (2048 // 16)
+
+
+@pytest.mark.parametrize(("flags", "storage", "element_bytes"), [
+    (["--quantization", "q4_1"], "float16", 2),  # auto under a weight quantization: float16, as the engine
+    (["--quantization", "q8_0", "--kv-cache-dtype", "float32"], "float32", 4),
+    ([], "float32", 4),
+])
+def test_kv_calc_follows_the_quantization(capsys: pytest.CaptureFixture, flags: list[str], storage: str,
+                                         element_bytes: int) -> None:
+    assert main(["kv-calc", "--kv-cache-memory", "512MiB", "--json", *flags]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert storage in out["kv_cache_storage"] and out["bytes_per_element"] == element_bytes
+    assert out["bytes_per_token"] == 30 * 2 * 3 * 64 * element_bytes

@@ -140,10 +140,12 @@ def test_allocation_matches_the_plan(kv: str, granularity: str) -> None:
 
 
 def test_bad_kv_cache_dtype_names_the_field(model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float16, int8, fp8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16, int8, fp8"):
         LLM(str(model_dir), kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        CacheConfig(kv_cache_dtype="float32")
+        CacheConfig(kv_cache_dtype="float64")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'float32' needs a float32 model"):
+        LLM(str(model_dir), dtype="bfloat16", kv_cache_dtype="float32")
     with pytest.raises(ValueError, match="kv_cache_scale_granularity"):
         EngineConfig.from_options(kv_cache_dtype="int8", kv_cache_scale_granularity="channel")
     assert EngineConfig.from_options(kv_cache_dtype="fp8").cache.kv_cache_dtype == "fp8"

@@ -75,6 +75,13 @@ def test_scales_stay_in_float16_range() -> None:
 
 def test_spec_names_and_errors() -> None:
     assert kv_cache_spec("auto", torch.bfloat16) == KVCacheSpec(torch.bfloat16)
+    # under a weight quantization, auto is float16 (llama.cpp's default); float32 keeps a float32 model's own
+    for scheme in ("q4_1", "q8_0"):
+        assert kv_cache_spec("auto", torch.float32, quantization=scheme) == KVCacheSpec(torch.float16)
+        assert kv_cache_spec("float32", torch.float32, quantization=scheme) == KVCacheSpec(torch.float32)
+    assert kv_cache_spec("float32", torch.float32) == KVCacheSpec(torch.float32)
+    with pytest.raises(ValueError, match="kv_cache_dtype 'float32' needs a float32 model"):
+        kv_cache_spec("float32", torch.bfloat16)
     assert kv_cache_spec("int8", torch.float32).name == "int8 per token"
     assert kv_cache_spec("fp8", torch.float32, "block").name == "fp8 per block"
     with pytest.raises(ValueError, match="kv_cache_dtype"):

@@ -33,18 +33,20 @@ def _generate(llm: LLM, seeded: bool) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float32+q4_1", "float32+q4_1/bfloat16",
-                                   "float32+q8_0", "float32/float16"])
+                                   "float32+q8_0", "float32+q8_0/float32", "float32/float16"])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_matches_the_eager_forward_exactly(tiny_model: tuple[str, Path], seeded: bool, dtype: str) -> None:
-    """float32+q4_1 (+q8_0): the linears through the Q4_1 (Q8_0) kernel's GEMV-shaped entry point; /bfloat16,
-    /float16: a float32 model's KV cache in that dtype (K and V rounded on write)."""
+    """float32+q4_1 (+q8_0): the linears through the Q4_1 (Q8_0) kernel's GEMV-shaped entry point, the KV cache
+    float16 (what auto is under a quantization); /float32, /bfloat16, /float16: a float32 model's KV cache in
+    that dtype (K and V rounded on write)."""
     arch, folder = tiny_model
     dtype, _, kv_cache_dtype = dtype.partition("/")
     dtype, _, quantization = dtype.partition("+")
     # no prefix caching: the second run's prompt steps would start from the first's blocks
     llm = LLM(str(folder), dtype=dtype, attention_backend="cpp", enable_prefix_caching=False,
               quantization=quantization or "none", kv_cache_dtype=kv_cache_dtype or "auto")
-    assert llm.engine.runner.kv_caches[0].k.dtype == getattr(torch, kv_cache_dtype or dtype)
+    want_cache = kv_cache_dtype or ("float16" if quantization else dtype)
+    assert llm.engine.runner.kv_caches[0].k.dtype == getattr(torch, want_cache)
     model = llm.engine.model
     if arch == "qwen3":  # per-head q/k norms: not taken
         assert model.one_stream_forward is None
