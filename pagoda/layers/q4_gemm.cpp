@@ -27,6 +27,12 @@
 
 #if defined(__AVX2__) && defined(__F16C__) && !defined(PAGODA_PORTABLE)  // F16C: the scales
 #define PAGODA_Q4_AVX2 1
+// AVX-512 VNNI (with VL for its 256-bit form): `vpdpbusd` multiplies 32 byte pairs (unsigned x signed) and adds
+// each 4 neighbours into an int32 lane of the accumulator, what `vpmaddubsw`, `vpmaddwd` against ones and an add
+// do in three. The integer sums are the same (no step saturates: see above and at Q8_0), so the outputs are too.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PAGODA_Q4_VNNI 1
+#endif
 #endif
 
 #include <type_traits>
@@ -144,7 +150,7 @@ static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_
                       const float* bias, float* y, int64_t N, bool prefetch) {
   const int64_t nb = K / QK;
   const __m256i low = _mm256_set1_epi8(0x0f);
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // the AVX2 sums' widening
   __m256 acc[R][H];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
@@ -168,16 +174,25 @@ static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + (p * H + h) * 32));
         const __m256i lo = _mm256_and_si256(v, low);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r) {
+#ifdef PAGODA_Q4_VNNI  // int32 sums
+          s[r][h] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s[r][h], lo, alo[r]), hi, ahi[r]);
+#else  // int16 sums, widened once a block below
           s[r][h] = _mm256_add_epi16(s[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo[r]),
                                                                 _mm256_maddubs_epi16(hi, ahi[r])));
+#endif
+        }
       }
     }
     for (int h = 0; h < H; ++h) {
       const __m256 d = load8_f16(qb + TILE_BYTES + h * 16);
       const __m256 m = load8_f16(qb + TILE_BYTES + 2 * NR + h * 16);
       for (int r = 0; r < R; ++r) {
+#ifdef PAGODA_Q4_VNNI
+        const __m256 sums = _mm256_cvtepi32_ps(s[r][h]);
+#else
         const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h], ones));
+#endif
         acc[r][h] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r][h]);
         acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r][h]);
       }
@@ -226,7 +241,7 @@ template <int R>
 static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const uint8_t* w, const float* bias, float* y,
                          int64_t N, bool prefetch) {
   const int64_t nb = K / QK;
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // the AVX2 sums' widening
   __m256 acc[R][H];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
@@ -243,9 +258,14 @@ static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const uin
       for (int h = 0; h < H; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + (g * H + h) * 32));
         const __m256i av = _mm256_abs_epi8(v);
-        for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r) {
+#ifdef PAGODA_Q4_VNNI
+          s[r][h] = _mm256_dpbusd_epi32(s[r][h], av, _mm256_sign_epi8(a[r], v));
+#else
           s[r][h] = _mm256_add_epi32(
               s[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(a[r], v)), ones));
+#endif
+        }
       }
     }
     for (int h = 0; h < H; ++h) {
