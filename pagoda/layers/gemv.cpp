@@ -83,8 +83,8 @@ constexpr int CHAINS = M == 1 ? 4 : 2;
 // One weight row w (K) against the M input rows, read from start to end: each thread streams its rows' bytes in
 // order. At 1-2 input rows this ran 1.3-1.9x faster than dot_rows over the default model's linears (both in
 // float32 and bfloat16, both on the AVX-512 Zen 4 machine and compiled there for AVX2), where dot_rows's four
-// rows read side by side, 2.3 KB apart, left each thread short of the memory's speed (BENCHMARKS.md, "The GEMV
-// one weight row at a time"). At 3-4 input rows it was 0.76-1.08x dot_rows, which stays for them.
+// rows read side by side, 2.3 KB apart, left each thread short of the memory's speed (BENCHMARKS.md, "A Zen 4
+// machine"). At 3-4 input rows it was 0.76-1.08x dot_rows, which stays for them.
 template <int M, typename T>
 static inline void dot_row(const T* x, const T* w, int64_t K, float* sums) {
   constexpr int A = CHAINS<M>;

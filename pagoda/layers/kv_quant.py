@@ -107,7 +107,7 @@ def kv_cache_spec(kv_cache_dtype: str, model_dtype: torch.dtype, scale_granulari
     ValueError naming the field otherwise. 'auto' is the model dtype, except under a weight quantization
     (quantization not 'none': q4_1, q8_0), where it is float16: those modes trade accuracy for speed already,
     their activations are float32 only because their kernels compute so, and llama.cpp keeps its cache in
-    float16 by default; a float16 cache halves attention's reads (one stream 1.07-1.14x, 128 requests
+    float16 by default; a float16 cache halves attention's reads (one stream 1.05-1.14x, 128 requests
     1.08-1.18x, BENCHMARKS.md) for 99.8% greedy agreement with a float32 one. 'float32' keeps their float32
     cache."""
     if kv_cache_dtype == "auto":
