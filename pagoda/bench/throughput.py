@@ -75,6 +75,7 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
         "prefix_cache_hit_tokens": metrics["prefix_cache_hits"],
         "num_preemptions": metrics["num_preemptions"],
         "attention_backend": llm.engine.attention_backend,
+        "kv_cache_storage": llm.engine.limits.kv.spec.name,  # what `auto` resolved to (float16 under quantization)
         "startup_compile_s": llm.engine.compile_seconds,
         "keeps_freed_memory": llm.engine.keeps_freed_memory,
         "engine_options": engine_options,  # the engine flags as given: which dtype, quantization, cache... ran

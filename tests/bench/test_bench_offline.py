@@ -61,6 +61,7 @@ def test_compute_floor_counts_the_linear_flops(model_dir: Path, capsys: pytest.C
     assert result["matmul_gflop"] * 1e9 == pytest.approx(expected)
     assert result["achieved_gflops"] == pytest.approx(result["matmul_gflop"] / result["elapsed_s"])
     assert result["engine_options"]["quantization"] == quantization  # a saved result says what ran
+    assert result["kv_cache_storage"] == ("float32" if quantization == "none" else "float16")  # auto resolved
     assert result["compute_floor_fraction"] == pytest.approx(result["achieved_gflops"] / result["matmul_peak_gflops"])
     # the peak is the better of F.linear and (the tiny model is float32) oneDNN's matmul, both measured, and of
     # the measurements before and after the run
