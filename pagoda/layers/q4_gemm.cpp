@@ -29,8 +29,9 @@
 #define PAGODA_Q4_AVX2 1
 // AVX-512 VNNI (with VL for its 256-bit form): `vpdpbusd` multiplies 32 byte pairs (unsigned x signed) and adds
 // each 4 neighbours into an int32 lane of the accumulator, what `vpmaddubsw`, `vpmaddwd` against ones and an add
-// do in three. The integer sums are the same (no step saturates: see above and at Q8_0), so the outputs are too.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// do in three. The integer sums are the same (no step saturates: see above and at Q8_0), so the outputs are too
+// (tests build both on such a CPU, the AVX2 one with PAGODA_NO_VNNI, and compare them).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(PAGODA_NO_VNNI)
 #define PAGODA_Q4_VNNI 1
 #endif
 #endif
@@ -38,9 +39,12 @@
 #include <type_traits>
 #include <vector>
 
-// 1 if this build runs the AVX2 kernels, 0 for the plain C++ ones (pagoda/layers/q4_linear.py warns then).
+// 2 if this build runs the AVX-512 VNNI kernels, 1 the AVX2 ones, 0 the plain C++ ones (pagoda/layers/q4_linear.py
+// warns then).
 extern "C" int pagoda_q4_vectorized() {
-#ifdef PAGODA_Q4_AVX2
+#if defined(PAGODA_Q4_VNNI)
+  return 2;
+#elif defined(PAGODA_Q4_AVX2)
   return 1;
 #else
   return 0;

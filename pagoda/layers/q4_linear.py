@@ -47,10 +47,12 @@ _SOURCE = Path(__file__).with_name("q4_gemm.cpp")
 
 
 @functools.cache
-def q4_library(portable: bool = False, rev: str | None = None) -> Any:
+def q4_library(portable: bool = False, rev: str | None = None, no_vnni: bool = False) -> Any:
     """The compiled kernels; portable: the plain C++ sums, without AVX2 intrinsics (tests compare the two); rev:
-    the kernels as of that git revision (`bench.q4_linear --versus-rev`)."""
-    lib = load_library(_SOURCE, {"PORTABLE": 1} if portable else {}, rev=rev)
+    the kernels as of that git revision (`bench.q4_linear --versus-rev`); no_vnni: the AVX2 instructions even
+    where AVX-512 VNNI is (tests compare the two)."""
+    defines = ({"PORTABLE": 1} if portable else {}) | ({"NO_VNNI": 1} if no_vnni else {})
+    lib = load_library(_SOURCE, defines, rev=rev)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_q8_quantize.argtypes = [ptr] * 4 + [i64] * 2
     lib.pagoda_q8_quantize.restype = None

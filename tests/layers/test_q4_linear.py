@@ -108,6 +108,22 @@ def test_q8_kernel_matches_float64_reference(portable: bool, n: int, k: int) -> 
             torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("layer_type", [Q4Linear, Q8Linear])
+def test_vnni_and_avx2_kernels_give_the_same_outputs(layer_type: type) -> None:
+    """Where the CPU has AVX-512 VNNI, the kernels take `vpdpbusd`; their integer sums are the AVX2 ones', so the
+    outputs are identical, bit for bit, at every group of rows and tail."""
+    vnni, avx2 = q4_linear.q4_library(), q4_linear.q4_library(no_vnni=True)
+    if vnni.pagoda_q4_vectorized() != 2:
+        pytest.skip("this CPU (or compiler target) has no AVX-512 VNNI: only the AVX2 kernels are built")
+    assert avx2.pagoda_q4_vectorized() == 1
+    g = torch.Generator().manual_seed(5)
+    w, bias = torch.randn(64, 576, generator=g) * 0.05, torch.randn(64, generator=g)
+    a, b = layer_type(w, bias, vnni), layer_type(w, bias, avx2)
+    for rows in (*range(1, 8), 40):
+        x = torch.randn(rows, 576, generator=g) * 4  # some blocks' |x| max rounds to 127
+        assert torch.equal(a(x), b(x))
+
+
 def test_leading_dimensions_and_empty_input() -> None:
     layer = Q4Linear(torch.randn(32, 64), None, q4_linear.q4_library())
     x = torch.randn(2, 3, 64)
@@ -205,12 +221,14 @@ def test_q8_0_gives_every_quantizable_linear_8_bit_weights() -> None:
 
 def test_the_build_says_which_kernels_it_runs(caplog: pytest.LogCaptureFixture) -> None:
     """The portable build runs the plain C++ sums and quantize_linears warns about it; on a CPU with AVX2 and
-    F16C the default build runs the vector kernels (the tests above compare the two)."""
+    F16C the default build runs the vector kernels (the tests above compare the two): 2 where it also has AVX-512
+    VNNI and VL."""
     assert q4_library_flag(portable=True) == 0
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
     if "avx2" in flags and "f16c" in flags:
-        assert q4_library_flag(portable=False) == 1
+        vnni = "avx512_vnni" in flags and "avx512vl" in flags
+        assert q4_library_flag(portable=False) == (2 if vnni else 1)
     model = nn.Sequential(nn.Linear(64, 32))
     with caplog.at_level("WARNING", logger="pagoda.layers.q4_linear"):
         q4_linear.quantize_linears(model, portable=True)
