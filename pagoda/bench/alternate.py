@@ -11,7 +11,7 @@ the working directory first on sys.path, ahead of the editable install, so `impo
 package, C++ kernel sources included (the tool checks where each side imports it from before the first round).
 Prints one JSON line per run, {"round", "side", "output"} (output: the run's last line of stdout, parsed where it
 is JSON), then, with --key, the medians of that field on each side and checkout_over_rev, the checkout's median
-over REV's (for a time such as decode_step_ms, below 1 means the checkout is faster).
+over REV's (for a time such as decode_step_ms, below 1 means the checkout is faster; null where REV's median is 0).
 """
 
 from __future__ import annotations
@@ -57,10 +57,15 @@ def main(argv: list[str] | None = None) -> None:
                 if args.key is not None:
                     values[side].append(_field(output, args.key, side))
     if args.key is not None:
-        medians = {side: statistics.median(v) for side, v in values.items()}
-        print(json.dumps({"key": args.key, "rev": args.rev, "rev_median": medians[args.rev],
-                          "checkout_median": medians["checkout"],
-                          "checkout_over_rev": round(medians["checkout"] / medians[args.rev], 3)}))
+        print(json.dumps(_summary(args.key, args.rev, values)))
+
+
+def _summary(key: str, rev: str, values: dict[str, list[float]]) -> dict[str, Any]:
+    """The medians of key on each side and checkout_over_rev; null where REV's median is 0 (no ratio to give)."""
+    medians = {side: statistics.median(v) for side, v in values.items()}
+    ratio = round(medians["checkout"] / medians[rev], 3) if medians[rev] != 0 else None
+    return {"key": key, "rev": rev, "rev_median": medians[rev], "checkout_median": medians["checkout"],
+            "checkout_over_rev": ratio}
 
 
 @contextmanager

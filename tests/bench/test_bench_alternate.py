@@ -40,3 +40,9 @@ def test_bad_input_is_named() -> None:
         alternate._field({"num_blocks": 91}, "missing", "HEAD")
     assert alternate._last_line("progress\n{\"a\": 1}\n") == {"a": 1}
     assert alternate._last_line("plain text\n") == "plain text"
+
+
+def test_summary_gives_no_ratio_over_a_zero_median() -> None:
+    assert alternate._summary("ms", "HEAD", {"HEAD": [2.0, 4.0, 9.0], "checkout": [1.0, 2.0, 3.0]}) == {
+        "key": "ms", "rev": "HEAD", "rev_median": 4.0, "checkout_median": 2.0, "checkout_over_rev": 0.5}
+    assert alternate._summary("ms", "HEAD", {"HEAD": [0.0], "checkout": [1.0]})["checkout_over_rev"] is None
