@@ -106,8 +106,13 @@ static inline vf load_f16(const _Float16* p) {
 }
 
 // 2^x for x <= 0 (scores minus their running maximum, in log2 units), lane by lane: 2^n through the
-// exponent bits, 2^f for f = x - n in [-0.5, 0.5] by its Taylor series to degree 7 (truncation error
-// below 1e-8, under float32 rounding). Below -126 it returns 2^-126, not 0: callers zero masked lanes.
+// exponent bits, 2^f for f = x - n in [-0.5, 0.5] by the Taylor series of e^(f ln 2) to degree 7 (truncation
+// error below 1e-8, under float32 rounding). Below -126 it returns 2^-126, not 0: callers zero masked lanes.
+// n comes from adding 1.5 * 2^23, which leaves x rounded to an integer in the low mantissa bits of t: t's bits
+// shifted up by 23 are n's exponent field, less the bias (the rest shifts out), so 2^n costs a shift and an add,
+// not a conversion too; and ln 2's powers sit in the series' coefficients, not in a multiply of f. 13 vector
+// instructions a vector where the conversion and the multiply made 15 (SiLU-and-multiply 1.0x-
+// faster, prompt attention's softmax; BENCHMARKS.md).
 //
 // The polynomial's steps are fused multiply-adds under AVX-512 and FMA whatever the build's -ffp-contract (inductor
 // turns contraction off, and the elementwise ops keep it off so that their other arithmetic rounds as torch
@@ -142,24 +147,28 @@ static inline vf madd(vf a, vf b, vf c) {
 template <int N, int DEGREE = 7>
 static inline void exp2_neg_n(vf* x) {
   static_assert(DEGREE >= 1 && DEGREE <= 7, "the series' terms below go to degree 7");
-  constexpr float inv_factorial[8] = {1.0f, 1.0f, 0.5f, 1.6666666666666667e-1f, 4.1666666666666667e-2f,
-                                      8.3333333333333333e-3f, 1.3888888888888889e-3f, 1.9841269841269841e-4f};
-  vf n[N], f[N], p[N];
+  // (ln 2)^i / i!
+  constexpr float coefficient[8] = {1.0f, 6.9314718055994531e-1f, 2.4022650695910071e-1f, 5.5504108664821580e-2f,
+                                    9.6181291076284772e-3f, 1.3333558146428443e-3f, 1.5403530393381609e-4f,
+                                    1.5252733804059841e-5f};
+  vf t[N], f[N], p[N];
 #pragma GCC unroll 16
   for (int k = 0; k < N; ++k) {
     const vf xk = x[k] < -126.0f ? vf{} - 126.0f : x[k];
-    n[k] = (xk + 12582912.0f) - 12582912.0f;  // x rounded to an integer (1.5 * 2^23 trick)
-    f[k] = (xk - n[k]) * 0.6931471805599453f;  // 2^(x - n) = e^f
-    p[k] = vf{} + inv_factorial[DEGREE];
+    t[k] = xk + 12582912.0f;  // 1.5 * 2^23 + n, n = x rounded to an integer
+    f[k] = xk - (t[k] - 12582912.0f);
+    p[k] = vf{} + coefficient[DEGREE];
   }
 #pragma GCC unroll 8
   for (int i = DEGREE - 1; i >= 0; --i) {
 #pragma GCC unroll 16
-    for (int k = 0; k < N; ++k) p[k] = madd(p[k], f[k], vf{} + inv_factorial[i]);
+    for (int k = 0; k < N; ++k) p[k] = madd(p[k], f[k], vf{} + coefficient[i]);
   }
 #pragma GCC unroll 16
   for (int k = 0; k < N; ++k) {
-    const vi32 bits = (__builtin_convertvector(n[k], vi32) + 127) << 23;
+    vu32 bits;
+    std::memcpy(&bits, &t[k], sizeof(bits));
+    bits = (bits << 23) + (127u << 23);  // 2^n: n + 127 in the exponent field (n >= -126), zeros below
     vf two_n;
     std::memcpy(&two_n, &bits, sizeof(two_n));
     x[k] = p[k] * two_n;
