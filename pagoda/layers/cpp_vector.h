@@ -114,7 +114,8 @@ static inline vf load_f16(const _Float16* p) {
 // f exact). 15 vector instructions a vector where the conversion and the multiply made 17: SiLU-and-multiply at 128
 // rows 1.08x faster (`bench.elementwise --tokens 128 --iters 200 --versus-rev`; at 2,048 rows, memory-bound, the
 // same), the prompt kernel's softmax unchanged (0.97-1.0x); largest relative error over [-126, 0] 7.1e-8 against
-// 7.7e-8 before (ad hoc, every 97th float against exp2 in double).
+// 7.7e-8 before (ad hoc, every 97th float against exp2 in double). The counts are
+// of the compiled function (g++ 12 -O2 -mavx2 -mfma), constant loads aside.
 //
 // The polynomial's steps are fused multiply-adds under AVX-512 and FMA whatever the build's -ffp-contract (inductor
 // turns contraction off, and the elementwise ops keep it off so that their other arithmetic rounds as torch
@@ -141,8 +142,8 @@ static inline vf madd(vf a, vf b, vf c) {
 // DEGREE: of the series; 7 by default. Code whose results are rounded to 8 bits anyway (the AMX prompt kernel's
 // bfloat16 weights) takes 4: relative error under 5e-5.
 //
-// exp2_neg_n: the same on N vectors in place, step by step across them. One vector's steps are a chain of ~15
-// dependent instructions (~60 cycles); a loop that calls exp2_neg on one vector after another keeps only as
+// exp2_neg_n: the same on N vectors in place, step by step across them. One vector's steps are a chain of ~13
+// dependent instructions (~50 cycles); a loop that calls exp2_neg on one vector after another keeps only as
 // many in flight as the core's scheduler holds, where N independent chains side by side fill both vector
 // ports: SiLU-and-multiply 1.19-1.44x faster with N = 4 (`bench.elementwise --versus-rev`). Not in the decode
 // kernel's softmax, where other work already overlaps the chain (0.98-0.99x there).

@@ -278,8 +278,8 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
       // VC of the D / L output vectors at a time (all of them where they fit in registers). The outputs go to and
       // from registers a vector at a time: copied as one array (a memcpy of VC vectors), GCC moved them through
       // the stack in 16-byte halves, and each 32-byte load of a half-written vector waited for its stores (no
-      // forwarding of two stores into one load); in vectors, a 512-token prompt 1.08-1.11x faster (AVX2, float16
-      // cache, ad hoc A/B of the two kernels alternated in one process; BENCHMARKS.md), decodes unchanged.
+      // forwarding of two stores into one load); in vectors, prompts of 64-1,024 tokens 1.08-1.11x faster (AVX2,
+      // float16 cache, ad hoc A/B of the two kernels alternated in one process; BENCHMARKS.md), decodes unchanged.
       for (int64_t i0 = 0; i0 < ND; i0 += VC) {
         vf a[RG][VC];
 #pragma GCC unroll 16
