@@ -93,7 +93,7 @@ def main() -> None:
     extra: dict[str, object] = {}
     if args.versus:
         other = statistics.median(times[args.versus])
-        extra = {"versus": args.versus, "versus_ms": round(other, 1), "step_over_versus": round(ms / other, 3)}
+        extra = {"versus": args.versus, "versus_ms": round(other, 2), "step_over_versus": round(ms / other, 3)}
     print(json.dumps({"num_seqs": args.num_seqs, "input_len": args.input_len, "gather": args.gather,
                       "grouping": not args.no_grouping, "attention_backend": args.attention_backend,
                       "dtype": args.dtype, "compile_model": args.compile_model,
@@ -101,7 +101,7 @@ def main() -> None:
                       "quantization": args.quantization,
                       "startup_compile_s": round(engine.compile_seconds, 1),
                       "kv_cache_blocks": engine.limits.kv.num_blocks, "rounds": args.rounds,
-                      "decode_step_ms": round(ms, 1), **extra}))
+                      "decode_step_ms": round(ms, 2), **extra}))
 
 
 VERSUS = {

@@ -10,7 +10,8 @@ tensors; torch 2.13 on CPU runs its flash kernel only for 4-D inputs, 3-D ones g
 the AMX tiles for bfloat16 where the CPU has them) against SDPA as the engine calls it, over a paged cache
 of scattered blocks of 16. With --context C the prompt is a chunk of --tokens queries after C tokens already
 in the cache: SDPA's path then gathers the context and masks; without, SDPA takes the chunk's own K and V.
-Calls alternate in one process (the machine's speed drifts).
+--versus-rev REV adds the loop as of git revision REV (`cpp_rev`; `cpp_rev_over_cpp` > 1: the checkout's is
+faster). Calls alternate in one process (the machine's speed drifts).
 
 Prints one JSON line per dtype: milliseconds per call (median of --iters) of each side.
 """
@@ -71,6 +72,8 @@ def _paged(args: argparse.Namespace) -> None:
         sides: dict[str, Callable[[], torch.Tensor]] = {
             "sdpa": functools.partial(SDPAAttentionBackend().prefill, q, k, v, cache, table, seq_len, 0.125),
             "cpp": functools.partial(paged_prefill, q, cache, table, seq_len, 0.125)}
+        if args.versus_rev is not None:
+            sides["cpp_rev"] = functools.partial(paged_prefill, q, cache, table, seq_len, 0.125, args.versus_rev)
         if dtype == torch.bfloat16 and amx_prefill_available(cache, 9):
             sides["cpp_amx"] = functools.partial(paged_prefill_amx, q, cache, table, seq_len, 0.125)
         times: dict[str, list[float]] = {name: [] for name in sides}
@@ -85,6 +88,7 @@ def _paged(args: argparse.Namespace) -> None:
         print(json.dumps({"dtype": str(dtype).removeprefix("torch."), "tokens": n, "context": args.context}
                          | {f"ms_{name}": round(m, 3) for name, m in ms.items()}
                          | {f"sdpa_over_{name}": round(ms["sdpa"] / m, 2) for name, m in ms.items() if name != "sdpa"}
+                         | ({"cpp_rev_over_cpp": round(ms["cpp_rev"] / ms["cpp"], 3)} if "cpp_rev" in ms else {})
                          | {f"max_abs_diff_{name}": float((f().float() - want).abs().max())
                             for name, f in sides.items() if name != "sdpa"}
                          | {"machine": machine_info()}))
@@ -97,9 +101,12 @@ def main() -> None:
     p.add_argument("--paged", action="store_true", help="the cpp backend's prompt kernels against SDPA")
     p.add_argument("--context", type=int, default=0, help="with --paged: tokens already in the cache before "
                    "the prompt's --tokens")
+    p.add_argument("--versus-rev", default=None, metavar="REV", help="with --paged: also time the loop kernel "
+                   "as of git revision REV (its cpp_kernel.cpp and cpp_vector.h), alternated with the others")
     args = p.parse_args()
-    if args.context and not args.paged:
-        p.error("--context needs --paged")
+    for flag, value in (("--context", args.context), ("--versus-rev", args.versus_rev)):
+        if value and not args.paged:
+            p.error(f"{flag} needs --paged")
     if args.paged:
         return _paged(args)
     g = torch.Generator().manual_seed(0)

@@ -1,7 +1,9 @@
 """Time the Q4_1 linear (`--quantization q4_1`: activations rounded to int8, then the 4-bit kernel;
 pagoda/layers/q4_linear.py) against F.linear on float32 weights, at the default model's shapes (fused q/k/v,
-o, fused gate/up, down) and the given row counts. The two alternate call by call, so that both see the same
-machine; medians over --iters calls.
+o, fused gate/up, down) and the given row counts, and with `--versus-rev REV` against the kernel as of git
+revision REV. The sides alternate call by call, so that all see the same machine; medians over --iters calls.
+The kernel against itself (`--versus-rev HEAD` on an unchanged checkout) reads 0.82-0.97x at one row and 0.95-1.02x
+at 16-128 (BENCHMARKS.md, "Order and placement bias"): smaller differences than that need both orders.
 
     python -m pagoda.bench.q4_linear --rows 1,4,16,128,512,2048
 
@@ -50,28 +52,38 @@ def main() -> None:
     p.add_argument("--rows", default="1,4,16,128,512,2048")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--layers", type=int, default=None, help="time one stream's calls over this many layers")
-    p.add_argument("--versus-rev", default=None, metavar="REV", help="with --layers: the kernel at git revision REV")
+    p.add_argument("--versus-rev", default=None, metavar="REV",
+                   help="also time the kernel as of git revision REV, alternated (versus_over_q4_1 > 1: the "
+                        "checkout's is faster)")
     args = p.parse_args()
-    if args.versus_rev is not None and args.layers is None:
-        p.error("--versus-rev needs --layers")
     if args.layers is not None:
         print(json.dumps(_one_stream(args.layers, args.iters, args.versus_rev) | {"machine": machine_info()}))
         return
     lib = q4_library()
+    lib_rev = None if args.versus_rev is None else q4_library(rev=args.versus_rev)
     g = torch.Generator().manual_seed(0)
     results = []
     for k, n in SHAPES:
         w = torch.randn(n, k, generator=g) * 0.05
         layer = Q4Linear(w, None, lib)
+        layer_rev = None if lib_rev is None else Q4Linear(w, None, lib_rev)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, generator=g)
-            us = _median_us({"float32": functools.partial(F.linear, x, w), "q4_1": functools.partial(layer, x)},
-                            args.iters)
+            sides: dict[str, Callable[[], object]] = {"float32": functools.partial(F.linear, x, w),
+                                                      "q4_1": functools.partial(layer, x)}
+            if layer_rev is not None:
+                sides["versus_rev"] = functools.partial(layer_rev, x)
+            us = _median_us(sides, args.iters)
             macs = rows * k * n
-            results.append({"in": k, "out": n, "rows": rows, "float32_us": round(us["float32"], 1),
-                            "q4_1_us": round(us["q4_1"], 1), "q4_1_speedup": round(us["float32"] / us["q4_1"], 2),
-                            "float32_gflops": round(2 * macs / us["float32"] / 1e3, 1),
-                            "q4_1_gflops_equivalent": round(2 * macs / us["q4_1"] / 1e3, 1)})
+            row: dict[str, object] = {"in": k, "out": n, "rows": rows, "float32_us": round(us["float32"], 1),
+                                      "q4_1_us": round(us["q4_1"], 1),
+                                      "q4_1_speedup": round(us["float32"] / us["q4_1"], 2),
+                                      "float32_gflops": round(2 * macs / us["float32"] / 1e3, 1),
+                                      "q4_1_gflops_equivalent": round(2 * macs / us["q4_1"] / 1e3, 1)}
+            if layer_rev is not None:
+                row |= {"versus_rev_us": round(us["versus_rev"], 1),
+                        "versus_over_q4_1": round(us["versus_rev"] / us["q4_1"], 3)}
+            results.append(row)
     print(json.dumps({"results": results, "machine": machine_info()}))
 
 

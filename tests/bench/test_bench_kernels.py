@@ -44,6 +44,22 @@ def test_prompt_attention_paged_times_the_cpp_kernels_against_sdpa(context: int,
         assert all(v < (1e-5 if r["dtype"] == "float32" else 5e-2) for k, v in r.items() if k.startswith("max_abs"))
 
 
+def test_prompt_attention_paged_against_a_revision(capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """--versus-rev: the loop kernel built from its source at HEAD (read through git), timed beside the checkout's
+    and giving the same output; without --paged the flag is refused."""
+    from pagoda.bench.prompt_attention import main
+
+    rows = run_module(main, ["--tokens", "20", "--iters", "1", "--paged", "--versus-rev", "HEAD"], capsys,
+                      monkeypatch)
+    for r in rows:
+        assert r["ms_cpp_rev"] > 0
+        assert r["cpp_rev_over_cpp"] == pytest.approx(r["ms_cpp_rev"] / r["ms_cpp"], rel=0.1)
+        assert r["max_abs_diff_cpp_rev"] < (1e-5 if r["dtype"] == "float32" else 5e-2)
+    with pytest.raises(SystemExit):
+        run_module(main, ["--versus-rev", "HEAD"], capsys, monkeypatch)
+
+
 def test_decode_attention_times_each_backend(capsys: pytest.CaptureFixture[str],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     from pagoda.bench.decode_attention import main
@@ -62,12 +78,14 @@ def test_decode_attention_versus_a_git_revision(capsys: pytest.CaptureFixture[st
 
     from pagoda.bench.decode_attention import main
     from pagoda.layers import cpp_build
+    from pagoda.layers.attention import cpp
 
     if subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True).returncode != 0:
         pytest.skip("not in a git checkout")
     reads: list[tuple[str, str | None]] = []
     read = cpp_build._read
     monkeypatch.setattr(cpp_build, "_read", lambda path, rev: reads.append((path.name, rev)) or read(path, rev))
+    cpp._library.cache_clear()  # built at HEAD by an earlier test (prompt_attention --versus-rev) it is not read again
     argv = ["--num-seqs", "3", "--context", "20:40", "--iters", "1", "--backends", "cpp", "--layers", "2",
             "--versus-rev", "HEAD"]
     rows = run_module(main, argv, capsys, monkeypatch)
@@ -257,5 +275,16 @@ def test_q4_linear_bench_one_stream_layers_against_the_read_and_a_revision(
     assert row["layers"] == 2 and row["weight_bytes"] == 2 * sum(k * n * 5 // 8 for k, n in SHAPES)
     assert row["q4_1_ms"] > 0 and row["weights_read_ms"] > 0 and row["versus_rev_ms"] > 0
     assert row["versus_rev"] == "HEAD"
-    with pytest.raises(SystemExit):
-        run_module(main, ["--versus-rev", "HEAD"], capsys, monkeypatch)
+
+
+def test_q4_linear_bench_rows_against_a_revision(capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """--versus-rev without --layers: each shape and row count also timed with the kernel built at HEAD."""
+    from pagoda.bench.q4_linear import SHAPES, main
+
+    (out,) = run_module(main, ["--rows", "2", "--iters", "1", "--versus-rev", "HEAD"], capsys, monkeypatch)
+    results = out["results"]
+    assert [(r["in"], r["out"]) for r in results] == list(SHAPES)
+    for r in results:
+        assert r["versus_rev_us"] > 0
+        assert r["versus_over_q4_1"] == pytest.approx(r["versus_rev_us"] / r["q4_1_us"], rel=0.1)

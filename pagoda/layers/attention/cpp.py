@@ -168,11 +168,12 @@ def prefill_in_kernel(dtype: torch.dtype, n: int, seq_len: int) -> bool:
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, rev: str | None = None) -> torch.Tensor:
     """q (n, Hq, D): a prompt chunk's queries, the last at position seq_len - 1, its K/V already in the cache;
-    block_table (>= ceil(seq_len / block_size),) int64 -> (n, Hq, D) in q's dtype, causal."""
+    block_table (>= ceil(seq_len / block_size),) int64 -> (n, Hq, D) in q's dtype, causal.
+    rev: the kernel as of that git revision (`bench.prompt_attention --versus-rev`)."""
     n, hq, d = q.shape
-    lib = _library_for(kv_cache, hq)
+    lib = _library_for(kv_cache, hq) if rev is None else _library(*_library_args(kv_cache, hq), rev=rev)
     qf = q.to(torch.float32).contiguous()
     bt = _prompt_table(block_table, kv_cache, seq_len, n)
     out = torch.empty((n, hq, d), dtype=torch.float32)
