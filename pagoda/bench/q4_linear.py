@@ -2,8 +2,8 @@
 pagoda/layers/q4_linear.py) against F.linear on float32 weights, at the default model's shapes (fused q/k/v,
 o, fused gate/up, down) and the given row counts, and with `--versus-rev REV` against the kernel as of git
 revision REV. The sides alternate call by call, so that all see the same machine; medians over --iters calls.
-The kernel against itself (`--versus-rev HEAD` on an unchanged checkout) reads 0.82-0.97x at one row and 0.95-1.02x
-at 16-128 (BENCHMARKS.md, "Order and placement bias"): smaller differences than that need both orders.
+The kernel against itself (`--versus-rev HEAD` on an unchanged checkout) reads 0.83-0.88x at one row and 0.92-1.03x
+at 16-512 (BENCHMARKS.md, "Order and placement bias"): smaller differences than that need both orders.
 
     python -m pagoda.bench.q4_linear --rows 1,4,16,128,512,2048
 
