@@ -49,9 +49,16 @@ def test_prompt_attention_paged_against_a_revision(capsys: pytest.CaptureFixture
     """--versus-rev: the loop kernel built from its source at HEAD (read through git), timed beside the checkout's
     and giving the same output; without --paged the flag is refused."""
     from pagoda.bench.prompt_attention import main
+    from pagoda.layers import cpp_build
+    from pagoda.layers.attention import cpp
 
+    reads: list[tuple[str, str | None]] = []
+    read = cpp_build._read
+    monkeypatch.setattr(cpp_build, "_read", lambda path, rev: reads.append((path.name, rev)) or read(path, rev))
+    cpp._library.cache_clear()
     rows = run_module(main, ["--tokens", "20", "--iters", "1", "--paged", "--versus-rev", "HEAD"], capsys,
                       monkeypatch)
+    assert ("cpp_kernel.cpp", "HEAD") in reads and ("cpp_vector.h", "HEAD") in reads
     for r in rows:
         assert r["ms_cpp_rev"] > 0
         assert r["cpp_rev_over_cpp"] > 0
@@ -70,6 +77,24 @@ def test_decode_attention_times_each_backend(capsys: pytest.CaptureFixture[str],
     assert rows[0]["compile_s"] == 0 and rows[1]["compile_s"] > 0
 
 
+def test_decode_attention_caches_are_allocated_as_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmark's K and V sit in one huge-page region (2 MiB-aligned, V carved right after K) where the engine's
+    would, plain or quantized."""
+    import torch
+
+    from pagoda.bench.decode_attention import _cache
+    from pagoda.layers.kv_quant import kv_cache_spec
+    from pagoda.worker.host_memory import HUGE_PAGE, huge_pages_enabled
+
+    if not huge_pages_enabled():
+        pytest.skip("this system gives no transparent huge pages (the engine's cache is on ordinary pages too)")
+    for kv_dtype in ("auto", "int8"):
+        cache = _cache(kv_cache_spec(kv_dtype, torch.float32, "token"), torch.float32, 8, 16, 3, 64,
+                       torch.Generator().manual_seed(0))
+        k_bytes = cache.k.numel() * cache.k.element_size()
+        assert cache.k.data_ptr() % HUGE_PAGE == 0 and cache.v.data_ptr() == cache.k.data_ptr() + k_bytes
+
+
 def test_decode_attention_versus_a_git_revision(capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """--versus-rev builds the kernel from the sources at that revision (here HEAD, read through git) and
@@ -85,7 +110,7 @@ def test_decode_attention_versus_a_git_revision(capsys: pytest.CaptureFixture[st
     reads: list[tuple[str, str | None]] = []
     read = cpp_build._read
     monkeypatch.setattr(cpp_build, "_read", lambda path, rev: reads.append((path.name, rev)) or read(path, rev))
-    cpp._library.cache_clear()  # built at HEAD by an earlier test (prompt_attention --versus-rev) it is not read again
+    cpp._library.cache_clear()  # built at HEAD by an earlier test, it would not be read again
     argv = ["--num-seqs", "3", "--context", "20:40", "--iters", "1", "--backends", "cpp", "--layers", "2",
             "--versus-rev", "HEAD"]
     rows = run_module(main, argv, capsys, monkeypatch)
@@ -225,7 +250,8 @@ def test_decode_step_versus_the_cpp_paths_alternatives(capsys: pytest.CaptureFix
     monkeypatch.setattr(elementwise, "rms_norm", lambda *a: norms.append(1) or torch_norm(*a))
     prefetches: set[int] = set()  # the prefetch distances of the kernels decodes ran with
     library_for = cpp._library_for
-    monkeypatch.setattr(cpp, "_library_for", lambda *a: prefetches.add(cpp._library_args(*a)[-1]) or library_for(*a))
+    monkeypatch.setattr(cpp, "_library_for",
+                        lambda *a, **kw: prefetches.add(cpp._library_args(*a)[-1]) or library_for(*a, **kw))
     for name in ("PREFETCH_AHEAD", "PREFETCH_MAX_ELEMENT_BYTES"):  # the bench changes them: restored after
         monkeypatch.setattr(cpp, name, getattr(cpp, name))
     argv = ["--num-seqs", "4", "--input-len", "8:20", "--steps", "2", "--rounds", "2", "--versus", versus,
@@ -277,12 +303,35 @@ def test_q4_linear_bench_one_stream_layers_against_the_read_and_a_revision(
     assert row["versus_rev"] == "HEAD"
 
 
+def test_q4_linear_bench_one_stream_reads_the_buffer_between_the_two_kernels(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both kernels read the same weights: a read of the buffer runs between them either way (else the second finds
+    their end in cache), and the second read is not reported."""
+    from pagoda.bench import q4_linear
+
+    orders: list[list[str]] = []
+    median_us = q4_linear._median_us
+    monkeypatch.setattr(q4_linear, "_median_us", lambda fns, iters: orders.append(list(fns)) or median_us(fns, iters))
+    (row,) = run_module(q4_linear.main, ["--layers", "1", "--iters", "1", "--versus-rev", "HEAD"], capsys,
+                        monkeypatch)
+    assert orders == [["q4_1", "weights_read", "versus_rev", "flush"]]
+    assert "flush_ms" not in row
+
+
 def test_q4_linear_bench_rows_against_a_revision(capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """--versus-rev without --layers: each shape and row count also timed with the kernel built at HEAD."""
+    """--versus-rev without --layers: each shape and row count also timed with the kernel built at HEAD (its source
+    read through git)."""
     from pagoda.bench.q4_linear import SHAPES, main
+    from pagoda.layers import cpp_build
+    from pagoda.layers.q4_linear import q4_library
 
+    reads: list[tuple[str, str | None]] = []
+    read = cpp_build._read
+    monkeypatch.setattr(cpp_build, "_read", lambda path, rev: reads.append((path.name, rev)) or read(path, rev))
+    q4_library.cache_clear()
     (out,) = run_module(main, ["--rows", "2", "--iters", "1", "--versus-rev", "HEAD"], capsys, monkeypatch)
+    assert ("q4_gemm.cpp", "HEAD") in reads
     results = out["results"]
     assert [(r["in"], r["out"]) for r in results] == list(SHAPES)
     for r in results:

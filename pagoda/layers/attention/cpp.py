@@ -74,8 +74,9 @@ def _library_args(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = Fal
             portable, PREFETCH_AHEAD if kv_cache.k.element_size() <= PREFETCH_MAX_ELEMENT_BYTES else 0)
 
 
-def _library_for(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = False) -> Any:
-    return _library(*_library_args(kv_cache, num_q_heads, portable))
+def _library_for(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = False, rev: str | None = None) -> Any:
+    """The kernels for this cache layout; rev: as of that git revision (the benchmarks' --versus-rev)."""
+    return _library(*_library_args(kv_cache, num_q_heads, portable), rev=rev)
 
 
 def write_kv(kv_cache: PagedKVCache, num_q_heads: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -124,7 +125,7 @@ def prepared_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch
     """paged_decode's kernel call with its arguments bound, and the float32 output it writes (B, Hq, D): each
     call of it runs the kernel alone, as the one-call forward does (`bench.decode_attention --kernel-only`)."""
     b, hq, d = q.shape
-    lib = _library_for(kv_cache, hq) if rev is None else _library(*_library_args(kv_cache, hq), rev=rev)
+    lib = _library_for(kv_cache, hq, rev=rev)
     fn = lib.pagoda_paged_decode
     width = block_tables.shape[1]
     span_blocks, spans = decode_spans(b, width)
@@ -173,7 +174,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Te
     block_table (>= ceil(seq_len / block_size),) int64 -> (n, Hq, D) in q's dtype, causal.
     rev: the kernel as of that git revision (`bench.prompt_attention --versus-rev`)."""
     n, hq, d = q.shape
-    lib = _library_for(kv_cache, hq) if rev is None else _library(*_library_args(kv_cache, hq), rev=rev)
+    lib = _library_for(kv_cache, hq, rev=rev)
     qf = q.to(torch.float32).contiguous()
     bt = _prompt_table(block_table, kv_cache, seq_len, n)
     out = torch.empty((n, hq, d), dtype=torch.float32)
