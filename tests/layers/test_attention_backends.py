@@ -284,7 +284,7 @@ def test_cpp_kernel_decodes_every_8_bit_code(storage: torch.dtype, portable: boo
     from tests.layers.test_kv_quant import make_cache
 
     library_for = cpp._library_for
-    monkeypatch.setattr(cpp, "_library_for", lambda cache, hq: library_for(cache, hq, portable))
+    monkeypatch.setattr(cpp, "_library_for", lambda cache, hq, rev=None: library_for(cache, hq, portable, rev))
     cache = make_cache(KVCacheSpec(storage, "block"), num_blocks=2, block_size=16, hkv=3, d=64)
     codes = torch.arange(384, dtype=torch.int32).remainder(256).to(torch.uint8)
     if storage == torch.float8_e4m3fn:
