@@ -364,14 +364,17 @@ def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: 
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("sdpa_on_amx", [False, True])
 @pytest.mark.parametrize(("dtype", "storage"), [(torch.float32, "model"), (torch.bfloat16, "model"),
                                                 (torch.bfloat16, "int8")])
-def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, sdpa_on_amx: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """run_steps' prompt chunks (fresh ones of 21, 16 and 5 tokens; continued ones of 13 and 9): float32 all
-    to the loop; bfloat16 over a bfloat16 cache all to the AMX kernel (where the CPU has it); otherwise the
-    continued ones to the loop and the fresh ones to SDPA."""
+    to the loop; bfloat16 over a bfloat16 cache all to the AMX kernel (where the CPU has it); otherwise all to
+    the loop where SDPA has no AMX, and where it has, the continued ones to the loop and the fresh ones to SDPA."""
     import pagoda.layers.attention.cpp as cpp
 
+    monkeypatch.setattr(cpp, "SDPA_ON_AMX", sdpa_on_amx)
     calls: list[tuple[str, int, int]] = []
     for name in ("paged_prefill", "paged_prefill_amx"):
         kernel = getattr(cpp, name)
@@ -388,6 +391,8 @@ def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, monk
         want = [("paged_prefill", *c) for c in chunks]
     elif storage == "model" and amx:
         want = [("paged_prefill_amx", *c) for c in chunks]
+    elif not sdpa_on_amx:
+        want = [("paged_prefill", *c) for c in chunks]
     else:
         want = [("paged_prefill" if n < s else "sdpa", n, s) for n, s in chunks]
     assert calls == want

@@ -155,6 +155,11 @@ def prepared_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch
 # the dtype: SDPA's path first gathers the whole context (bfloat16, 12 queries after 288 tokens: 2.2x faster
 # in the loop; 100 after 1,400: 0.67x; `bench.prompt_attention --paged --context`, BENCHMARKS.md).
 PREFILL_KERNEL_MAX_CHUNK = 32
+# Whether torch's SDPA runs bfloat16/float16 matmuls on AMX tiles here (the Xeons). Elsewhere its flash kernel
+# computes in float32 through sgemm, and the loop kernel is faster on every prompt: bfloat16 on the Zen 4 machine
+# (AVX-512 BF16, no AMX), 1.33-2.17x at 64-2,048 fresh tokens and 1.64-1.91x on continued chunks
+# (`bench.prompt_attention --paged [--context]`, BENCHMARKS.md, "bfloat16 prompts in the loop kernel").
+SDPA_ON_AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def prefill_in_kernel(dtype: torch.dtype, n: int, seq_len: int) -> bool:
@@ -162,10 +167,11 @@ def prefill_in_kernel(dtype: torch.dtype, n: int, seq_len: int) -> bool:
 
     Float32 models: always (1.1-1.7x SDPA's speed on fresh prompts of 64-1,024 tokens on the Xeon, 1.6-2.0x at
     512 on the AVX2 machine; 0.9-2.9x on continued chunks). Other dtypes (where the AMX kernel does not apply):
-    only short chunks after an earlier context. This kernel's arithmetic is float32 fused multiply-adds, 100-160
-    GFLOP/s on the Xeon; SDPA's bfloat16 matmuls use AMX, and in bfloat16 the loop runs at 0.4-0.9x SDPA's speed on
-    fresh prompts. `python -m pagoda.bench.prompt_attention --paged`, BENCHMARKS.md ("Prompt attention in C++")."""
-    return dtype == torch.float32 or n < seq_len and n <= PREFILL_KERNEL_MAX_CHUNK
+    all chunks where SDPA's matmuls have no AMX (`SDPA_ON_AMX`); with AMX only short chunks after an earlier
+    context: this kernel's arithmetic is float32 fused multiply-adds, 100-160 GFLOP/s on the Xeon, and there in
+    bfloat16 it runs at 0.4-0.9x SDPA's speed on fresh prompts. `python -m pagoda.bench.prompt_attention --paged`,
+    BENCHMARKS.md ("Prompt attention in C++")."""
+    return dtype == torch.float32 or not SDPA_ON_AMX or n < seq_len and n <= PREFILL_KERNEL_MAX_CHUNK
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
