@@ -4,10 +4,13 @@ paged cache with the default model's head shapes (9 query heads, 3 KV heads, hea
     python -m pagoda.bench.decode_attention --num-seqs 128 --context 300:380 --dtype float32
 
 Blocks are scattered at random through a cache larger than the working set, as they are after a while
-of serving. Prints one JSON line per backend with the milliseconds per call (median of --iters) and
-the effective read bandwidth (K and V bytes of the real context over that time). `compiled` times its
-kernel even below MIN_COMPILED_TOKENS, where the engine would use SDPA instead: that is how the
-threshold was chosen.
+of serving (`--block-order scattered`, the default); `--block-order consecutive` gives each sequence a run of
+consecutive blocks, as the engine's block pool hands a fresh cache's blocks to a prompt (in id order; only the
+blocks decodes append later land elsewhere). From memory the scattered order reads 1.26-1.44x slower at blocks of
+16 on the Zen 4 machine (BENCHMARKS.md). Prints one JSON line per backend with the milliseconds per call
+(median of --iters) and the effective read bandwidth (K and V bytes of the real context over that time).
+`compiled` times its kernel even below MIN_COMPILED_TOKENS, where the engine would use SDPA instead: that is how
+the threshold was chosen.
 
 One layer's cache stays in this machine's 300 MiB L3 between calls; in a step, every layer's comes from
 memory: `--layers 30` attends 30 caches in turn, as a step does. `--versus-rev REV` alternates calls with the
@@ -46,6 +49,9 @@ def main() -> None:
     p.add_argument("--kv-cache-scale-granularity", default="token", choices=SCALE_GRANULARITIES)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--block-size", type=int, default=16, help="tokens per cache block (the engine's --block-size)")
+    p.add_argument("--block-order", default="scattered", choices=BLOCK_ORDERS,
+                   help="each sequence's blocks at random through the cache (scattered), or in one run of "
+                        "consecutive blocks (consecutive: a prompt's blocks in a fresh engine)")
     p.add_argument("--layers", type=int, default=1,
                    help="caches of this many layers, attended in turn as a step does; with 30 (the default model's "
                         "count) they no longer fit in L3 and come from memory, as in the engine")
@@ -67,12 +73,12 @@ def main() -> None:
     num_blocks = 2 * args.num_seqs * width
     spec = kv_cache_spec(args.kv_cache_dtype, dtype, args.kv_cache_scale_granularity)
     caches = [_cache(spec, dtype, num_blocks, bs, hkv, d, g) for _ in range(args.layers)]
-    tables = torch.randperm(num_blocks, generator=g)[: args.num_seqs * width].view(args.num_seqs, width)
+    tables = block_tables(args.num_seqs, width, num_blocks, args.block_order, g)
     group = DecodeGroup(rows=torch.arange(args.num_seqs), block_tables=tables, seq_lens=lens)
     q = torch.randn(args.num_seqs, hq, d, generator=g).to(dtype)
     context_bytes = 2 * int(lens.sum()) * spec.bytes_per_block(bs, hkv, d) // bs
     common = {"dtype": args.dtype, "kv_cache": spec.name, "num_seqs": args.num_seqs, "context": args.context,
-              "layers": args.layers, "block_size": bs}
+              "layers": args.layers, "block_size": bs, "block_order": args.block_order}
 
     def timed(decode: Callable[[PagedKVCache], object]) -> Callable[[], float]:
         def call() -> float:  # ms per layer
@@ -109,6 +115,20 @@ def main() -> None:
             out |= {"versus_rev": args.versus_rev, "versus_ms_per_call": round(ms["versus_ms_per_call"], 3),
                     "versus_over_this": round(ms["versus_ms_per_call"] / ms["ms_per_call"], 3)}
         print(json.dumps(out | {"compile_s": round(compile_s, 2), "machine": machine_info()}))
+
+
+BLOCK_ORDERS = ("scattered", "consecutive")
+
+
+def block_tables(num_seqs: int, width: int, num_blocks: int, order: str, g: torch.Generator) -> torch.Tensor:
+    """(num_seqs, width) block ids, distinct, out of num_blocks: a random permutation's (scattered), or sequence i
+    holding blocks i * width .. (i + 1) * width - 1 (consecutive)."""
+    if order not in BLOCK_ORDERS:
+        raise ValueError(f"block order must be one of {BLOCK_ORDERS}, got {order!r}")
+    if num_seqs * width > num_blocks:
+        raise ValueError(f"{num_seqs} sequences of {width} blocks do not fit in {num_blocks} blocks")
+    ids = torch.randperm(num_blocks, generator=g) if order == "scattered" else torch.arange(num_blocks)
+    return ids[: num_seqs * width].view(num_seqs, width)
 
 
 def _kernel_only(q: torch.Tensor, caches: list[PagedKVCache], tables: torch.Tensor, lens: torch.Tensor, scale: float,

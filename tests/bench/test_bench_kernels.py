@@ -77,6 +77,28 @@ def test_decode_attention_times_each_backend(capsys: pytest.CaptureFixture[str],
     assert rows[0]["compile_s"] == 0 and rows[1]["compile_s"] > 0
 
 
+def test_decode_attention_block_orders(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scattered tables are distinct ids in no order; consecutive ones give each sequence one run of ids; the run
+    reports the order it timed."""
+    import torch
+
+    from pagoda.bench.decode_attention import block_tables, main
+
+    g = torch.Generator().manual_seed(0)
+    scattered = block_tables(6, 5, 60, "scattered", g)
+    assert scattered.shape == (6, 5) and scattered.unique().numel() == 30
+    assert not all((row.diff() == 1).all() for row in scattered)
+    consecutive = block_tables(6, 5, 60, "consecutive", g)
+    assert consecutive.tolist() == [list(range(5 * i, 5 * i + 5)) for i in range(6)]
+    with pytest.raises(ValueError, match="block order"):
+        block_tables(6, 5, 60, "sorted", g)
+    with pytest.raises(ValueError, match="do not fit"):
+        block_tables(6, 5, 20, "consecutive", g)
+    rows = run_module(main, ["--num-seqs", "3", "--context", "20:40", "--iters", "1", "--backends", "cpp",
+                             "--block-order", "consecutive"], capsys, monkeypatch)
+    assert rows[0]["block_order"] == "consecutive" and rows[0]["ms_per_call"] > 0
+
+
 def test_decode_attention_caches_are_allocated_as_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
     """The benchmark's K and V sit in one huge-page region (2 MiB-aligned, V carved right after K) where the engine's
     would, plain or quantized."""
