@@ -6,8 +6,8 @@ paged cache with the default model's head shapes (9 query heads, 3 KV heads, hea
 Blocks are scattered at random through a cache larger than the working set, as they are after a while
 of serving (`--block-order scattered`, the default); `--block-order consecutive` gives each sequence a run of
 consecutive blocks, as the engine's block pool hands a fresh cache's blocks to a prompt (in id order; only the
-blocks decodes append later land elsewhere). From memory the scattered order reads 1.26-1.44x slower at blocks of
-16 on the Zen 4 machine (BENCHMARKS.md). Prints one JSON line per backend with the milliseconds per call
+blocks decodes append later land elsewhere). From memory the scattered order read ~1.3x slower at blocks of 16
+on the Zen 4 machine (BENCHMARKS.md). Prints one JSON line per backend with the milliseconds per call
 (median of --iters) and the effective read bandwidth (K and V bytes of the real context over that time).
 `compiled` times its kernel even below MIN_COMPILED_TOKENS, where the engine would use SDPA instead: that is how
 the threshold was chosen.

@@ -158,7 +158,7 @@ PREFILL_KERNEL_MAX_CHUNK = 32
 # Whether torch's SDPA runs bfloat16/float16 matmuls on AMX tiles here (the Xeons). Elsewhere its flash kernel
 # computes in float32 through sgemm, and the loop kernel is faster on every prompt: bfloat16 on the Zen 4 machine
 # (AVX-512 BF16, no AMX), 1.33-2.21x at 64-2,048 fresh tokens and 1.64-1.91x on continued chunks
-# (`bench.prompt_attention --paged [--context]`, BENCHMARKS.md, "bfloat16 prompts in the loop kernel").
+# (`bench.prompt_attention --paged [--context]`, BENCHMARKS.md, "bfloat16 on the Zen 4 machine").
 SDPA_ON_AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
