@@ -12,9 +12,10 @@ on the Zen 4 machine (BENCHMARKS.md). Prints one JSON line per backend with the 
 `compiled` times its kernel even below MIN_COMPILED_TOKENS, where the engine would use SDPA instead: that is how
 the threshold was chosen.
 
-One layer's cache stays in this machine's 300 MiB L3 between calls; in a step, every layer's comes from
-memory: `--layers 30` attends 30 caches in turn, as a step does. `--versus-rev REV` alternates calls with the
-C++ kernel as it was at git revision REV, in one process (the machine's speed drifts between runs).
+One layer's cache stays in L3 between calls where it fits (32-300 MiB on the machines measured); in a step,
+every layer's comes from memory: `--layers 30` attends 30 caches in turn, as a step does. `--versus-rev REV`
+alternates calls with the C++ kernel as it was at git revision REV, in one process (the machine's speed drifts
+between runs).
 `--kernel-only` times the C++ kernel with its arguments bound beforehand, as the one-call one-stream forward
 calls it: for one sequence, the backend's Python around the call takes longer than the kernel.
 """

@@ -15,6 +15,18 @@ def run_module(main: object, argv: list[str], capsys: pytest.CaptureFixture[str]
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
 
 
+def spy_git_reads(monkeypatch: pytest.MonkeyPatch, library: object) -> list[tuple[str, str | None]]:
+    """(file name, revision) of every kernel source the build reads from now on; library's cache of builds is
+    cleared first, so that a build an earlier test made at the same revision is read again."""
+    from pagoda.layers import cpp_build
+
+    reads: list[tuple[str, str | None]] = []
+    read = cpp_build._read
+    monkeypatch.setattr(cpp_build, "_read", lambda path, rev: reads.append((path.name, rev)) or read(path, rev))
+    library.cache_clear()  # type: ignore[attr-defined]
+    return reads
+
+
 def test_prompt_attention_names_the_kernel_each_layout_took(capsys: pytest.CaptureFixture[str],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from pagoda.bench.prompt_attention import main
@@ -49,13 +61,9 @@ def test_prompt_attention_paged_against_a_revision(capsys: pytest.CaptureFixture
     """--versus-rev: the loop kernel built from its source at HEAD (read through git), timed beside the checkout's
     and giving the same output; without --paged the flag is refused."""
     from pagoda.bench.prompt_attention import main
-    from pagoda.layers import cpp_build
     from pagoda.layers.attention import cpp
 
-    reads: list[tuple[str, str | None]] = []
-    read = cpp_build._read
-    monkeypatch.setattr(cpp_build, "_read", lambda path, rev: reads.append((path.name, rev)) or read(path, rev))
-    cpp._library.cache_clear()
+    reads = spy_git_reads(monkeypatch, cpp._library)
     rows = run_module(main, ["--tokens", "20", "--iters", "1", "--paged", "--versus-rev", "HEAD"], capsys,
                       monkeypatch)
     assert ("cpp_kernel.cpp", "HEAD") in reads and ("cpp_vector.h", "HEAD") in reads
@@ -124,15 +132,11 @@ def test_decode_attention_versus_a_git_revision(capsys: pytest.CaptureFixture[st
     import subprocess
 
     from pagoda.bench.decode_attention import main
-    from pagoda.layers import cpp_build
     from pagoda.layers.attention import cpp
 
     if subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True).returncode != 0:
         pytest.skip("not in a git checkout")
-    reads: list[tuple[str, str | None]] = []
-    read = cpp_build._read
-    monkeypatch.setattr(cpp_build, "_read", lambda path, rev: reads.append((path.name, rev)) or read(path, rev))
-    cpp._library.cache_clear()  # built at HEAD by an earlier test, it would not be read again
+    reads = spy_git_reads(monkeypatch, cpp._library)
     argv = ["--num-seqs", "3", "--context", "20:40", "--iters", "1", "--backends", "cpp", "--layers", "2",
             "--versus-rev", "HEAD"]
     rows = run_module(main, argv, capsys, monkeypatch)
@@ -345,13 +349,9 @@ def test_q4_linear_bench_rows_against_a_revision(capsys: pytest.CaptureFixture[s
     """--versus-rev without --layers: each shape and row count also timed with the kernel built at HEAD (its source
     read through git)."""
     from pagoda.bench.q4_linear import SHAPES, main
-    from pagoda.layers import cpp_build
     from pagoda.layers.q4_linear import q4_library
 
-    reads: list[tuple[str, str | None]] = []
-    read = cpp_build._read
-    monkeypatch.setattr(cpp_build, "_read", lambda path, rev: reads.append((path.name, rev)) or read(path, rev))
-    q4_library.cache_clear()
+    reads = spy_git_reads(monkeypatch, q4_library)
     (out,) = run_module(main, ["--rows", "2", "--iters", "1", "--versus-rev", "HEAD"], capsys, monkeypatch)
     assert ("q4_gemm.cpp", "HEAD") in reads
     results = out["results"]
