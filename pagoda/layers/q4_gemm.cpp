@@ -61,8 +61,17 @@ constexpr int H = 2;
 constexpr int64_t NR = 8 * H;
 constexpr int64_t TILE_BYTES = NR * QK / 2;
 constexpr int64_t RECORD_Q4 = TILE_BYTES + 2 * NR * 2;  // q, then d and m (float16)
-// Rows that share one pass over a tile's weights.
-constexpr int64_t ROWS = 3;
+// Rows that share one pass over a tile's weights: 3 in the AVX2 tiles (above); 4 in the AVX-512 VNNI tiles, whose
+// 32 vector registers hold 4 rows' three accumulators (two int32 sums and the float one) and whose activations
+// come as broadcast memory operands. On the Zen 4 machine (`vpdpbusd` 4 cycles of latency, two 256-bit halves a
+// cycle) the VNNI Q4_1 tile at 3, 4, 6 and 8 rows ran 1.15x, 1.17-1.19x, ~1.14x and 1.14x as fast as the 256-bit
+// tile of 3 rows that came before it, at 16-512 rows of the default model's shapes (BENCHMARKS.md).
+constexpr int ROWS = 3;
+#ifdef PAGODA_Q4_VNNI
+constexpr int ROWS_TILE = 4;
+#else
+constexpr int ROWS_TILE = ROWS;
+#endif
 // The first pass over a tile (its first group of rows) prefetches the record this many records ahead of the one
 // it reads: each thread's records are one contiguous stream (tiles follow each other), and at one row the
 // kernel's arithmetic between loads left the hardware prefetcher behind. On the AVX2 machine, one 70 MB Q4_1
@@ -149,12 +158,54 @@ static void store_tile(const __m256 (&acc)[R][H], const float* bias, float* y, i
 }
 
 // Rows [0, R) of xq (row stride K) against one tile (16 columns) of the packed weights; writes y[r * N + 0..15].
+#ifdef PAGODA_Q4_VNNI
+// AVX-512 VNNI: a tile's 16 columns are one 512-bit vector, a record's 64 bytes for k-group p one load (the
+// layout above puts columns 0-7 and 8-15 side by side). Each (row, nibble half) sums into its own accumulator:
+// with one accumulator a row and both halves' `vpdpbusd` chained into it (as the AVX2 tile below chains its
+// adds), a block was 8 dependent `vpdpbusd` (4 cycles each here) per accumulator, and the loop waited on them.
+// The two halves' int32 sums are added once a block (exact: integers). Against that 256-bit tile with one chain
+// per (row, half of the columns): see ROWS_TILE.
+template <int R>
+static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
+                      const float* bias, float* y, int64_t N, bool prefetch) {
+  const int64_t nb = K / QK;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* qb = w + b * RECORD_Q4;
+    if (prefetch) prefetch_record<RECORD_Q4>(qb + PREFETCH_RECORDS * RECORD_Q4);
+    __m512i s_lo[R], s_hi[R];
+    for (int r = 0; r < R; ++r) s_lo[r] = s_hi[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_loadu_si512(qb + p * 64);
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = xq + r * K + b * QK + p * 4;
+        s_lo[r] = _mm512_dpbusd_epi32(s_lo[r], lo, _mm512_set1_epi32(load4(a)));
+        s_hi[r] = _mm512_dpbusd_epi32(s_hi[r], hi, _mm512_set1_epi32(load4(a + 16)));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + TILE_BYTES)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + TILE_BYTES + 2 * NR)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(s_lo[r], s_hi[r]));
+      acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
+    }
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, _mm512_add_ps(acc[r], bv));
+}
+#else
 template <int R>
 static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
                       const float* bias, float* y, int64_t N, bool prefetch) {
   const int64_t nb = K / QK;
   const __m256i low = _mm256_set1_epi8(0x0f);
-  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // the AVX2 sums' widening
+  const __m256i ones = _mm256_set1_epi16(1);  // the sums' widening
   __m256 acc[R][H];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
@@ -178,25 +229,16 @@ static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + (p * H + h) * 32));
         const __m256i lo = _mm256_and_si256(v, low);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        for (int r = 0; r < R; ++r) {
-#ifdef PAGODA_Q4_VNNI  // int32 sums
-          s[r][h] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s[r][h], lo, alo[r]), hi, ahi[r]);
-#else  // int16 sums, widened once a block below
+        for (int r = 0; r < R; ++r)  // int16 sums, widened once a block below
           s[r][h] = _mm256_add_epi16(s[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo[r]),
                                                                 _mm256_maddubs_epi16(hi, ahi[r])));
-#endif
-        }
       }
     }
     for (int h = 0; h < H; ++h) {
       const __m256 d = load8_f16(qb + TILE_BYTES + h * 16);
       const __m256 m = load8_f16(qb + TILE_BYTES + 2 * NR + h * 16);
       for (int r = 0; r < R; ++r) {
-#ifdef PAGODA_Q4_VNNI
-        const __m256 sums = _mm256_cvtepi32_ps(s[r][h]);
-#else
         const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h], ones));
-#endif
         acc[r][h] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r][h]);
         acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r][h]);
       }
@@ -204,6 +246,7 @@ static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_
   }
   store_tile<R>(acc, bias, y, N);
 }
+#endif  // PAGODA_Q4_VNNI
 #else
 template <int R>
 static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
@@ -304,18 +347,25 @@ static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const uin
 }
 #endif
 
-// Runs tile(t, m, rows) for each tile t of NR columns and each group of rows (ROWS, then a tail of 1 or 2) from m.
+// Runs tile(t, m, rows) for each tile t of NR columns and each group of Rows rows, then the tail (fewer), from m.
 // Threads split the tiles; each runs all rows against its tile, whose weights (15 KiB of Q4_1 for K = 1,536) stay
 // in L1 while the rows stream past. Blocking the rows too (32-256 KiB of xq at a time, so that they stay in L2)
 // made no difference that the machine's drift did not swamp (ad hoc).
-template <typename Tile>
+template <int R, typename Tile>
+static void tail_rows(const Tile& tile, int64_t t, int64_t m, int64_t left) {
+  if constexpr (R > 0) {
+    if (left == R) tile(t, m, std::integral_constant<int, R>());
+    else tail_rows<R - 1>(tile, t, m, left);
+  }
+}
+
+template <int Rows, typename Tile>
 static void for_each_tile(int64_t M, int64_t N, const Tile& tile) {
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N / NR; ++t) {
     int64_t m = 0;
-    for (; m + ROWS <= M; m += ROWS) tile(t, m, std::integral_constant<int, ROWS>());
-    if (M - m == 2) tile(t, m, std::integral_constant<int, 2>());
-    if (M - m == 1) tile(t, m, std::integral_constant<int, 1>());
+    for (; m + Rows <= M; m += Rows) tile(t, m, std::integral_constant<int, Rows>());
+    tail_rows<Rows - 1>(tile, t, m, M - m);
   }
 }
 
@@ -348,7 +398,7 @@ extern "C" void pagoda_q4_linear(const void* x, const void* w, const void* bias,
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* bf = static_cast<const float*>(bias);
   auto* yf = static_cast<float*>(y);
-  for_each_tile(M, N, [&](int64_t t, int64_t m, auto rows) {
+  for_each_tile<ROWS_TILE>(M, N, [&](int64_t t, int64_t m, auto rows) {
     tile_rows<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, a.sx + m * nb, K, wb + t * nb * RECORD_Q4,
                                      bf ? bf + t * NR : nullptr, yf + m * N + t * NR, N, m == 0);
   });
@@ -359,7 +409,7 @@ extern "C" void pagoda_q8_linear(const float* x, const uint8_t* w, const float* 
                                  int64_t K) {
   const int64_t nb = K / QK;
   const Rounded a = round_into_scratch(x, M, K);
-  for_each_tile(M, N, [&](int64_t t, int64_t m, auto rows) {
+  for_each_tile<ROWS>(M, N, [&](int64_t t, int64_t m, auto rows) {
     tile_rows_q8<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, K, w + t * nb * RECORD_Q8,
                                         bias ? bias + t * NR : nullptr, y + m * N + t * NR, N, m == 0);
   });

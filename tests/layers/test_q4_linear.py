@@ -72,8 +72,9 @@ def test_activation_rounding_matches_torch(portable: bool) -> None:
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize(("n", "k"), [(576, 576), (48, 1536), (960, 64), (16, 32)])
 def test_kernel_matches_float64_reference(portable: bool, n: int, k: int) -> None:
-    """1-7 and 40 rows (full groups of 3 rows and each tail), with and without bias, the vectorized build (AVX2,
-    or AVX-512 VNNI where the CPU has it) and the plain C++ one: within float32 rounding of the reference's sums."""
+    """1-7 and 40 rows (full groups of 3 or 4 rows, by the build, and each tail), with and without bias, the
+    vectorized build (AVX2, or AVX-512 VNNI where the CPU has it) and the plain C++ one: within float32 rounding of
+    the reference's sums."""
     lib = q4_linear.q4_library(portable)
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g) * 0.05
