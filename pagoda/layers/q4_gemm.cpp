@@ -283,12 +283,44 @@ static void tile_rows(const int8_t* xq, const float* dx, const float* sx, int64_
 constexpr int64_t TILE_BYTES_Q8 = NR * QK;
 constexpr int64_t RECORD_Q8 = TILE_BYTES_Q8 + NR * 2;
 
-#ifdef PAGODA_Q4_AVX2
+#ifdef PAGODA_Q4_VNNI
+// AVX-512 VNNI, as the Q4_1 tile above: 16 columns a vector, two accumulators a row (even and odd k-groups).
+// `vpsignb` has no 512-bit form, so the unsigned operand is q + 128 (the sign bit flipped, shared by the rows):
+// its sum is the wanted one plus 128 * the block's sum of xq (xsum), taken off before the conversion to float.
+// Exact: q + 128 <= 255, and a block's sums stay far inside int32.
+template <int R>
+static void tile_rows_q8(const int8_t* xq, const float* dx, const int32_t* xsum, int64_t K, const uint8_t* w,
+                         const float* bias, float* y, int64_t N, bool prefetch) {
+  const int64_t nb = K / QK;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* qb = w + b * RECORD_Q8;
+    if (prefetch) prefetch_record<RECORD_Q8>(qb + PREFETCH_RECORDS * RECORD_Q8);
+    __m512i s[2][R];
+    for (int r = 0; r < R; ++r) s[0][r] = s[1][r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(qb + g * 64), flip);
+      for (int r = 0; r < R; ++r)
+        s[g % 2][r] = _mm512_dpbusd_epi32(s[g % 2][r], u, _mm512_set1_epi32(load4(xq + r * K + b * QK + g * 4)));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + TILE_BYTES_Q8)));
+    for (int r = 0; r < R; ++r) {
+      const __m512i sums = _mm512_sub_epi32(_mm512_add_epi32(s[0][r], s[1][r]), _mm512_set1_epi32(128 * xsum[r * nb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
+    }
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, _mm512_add_ps(acc[r], bv));
+}
+#elif defined(PAGODA_Q4_AVX2)
 template <int R>
 static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const uint8_t* w, const float* bias, float* y,
                          int64_t N, bool prefetch) {
   const int64_t nb = K / QK;
-  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // the AVX2 sums' widening
+  const __m256i ones = _mm256_set1_epi16(1);  // the sums' widening
   __m256 acc[R][H];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
@@ -305,14 +337,9 @@ static void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const uin
       for (int h = 0; h < H; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + (g * H + h) * 32));
         const __m256i av = _mm256_abs_epi8(v);
-        for (int r = 0; r < R; ++r) {
-#ifdef PAGODA_Q4_VNNI
-          s[r][h] = _mm256_dpbusd_epi32(s[r][h], av, _mm256_sign_epi8(a[r], v));
-#else
+        for (int r = 0; r < R; ++r)
           s[r][h] = _mm256_add_epi32(
               s[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(a[r], v)), ones));
-#endif
-        }
       }
     }
     for (int h = 0; h < H; ++h) {
@@ -409,8 +436,23 @@ extern "C" void pagoda_q8_linear(const float* x, const uint8_t* w, const float* 
                                  int64_t K) {
   const int64_t nb = K / QK;
   const Rounded a = round_into_scratch(x, M, K);
+#ifdef PAGODA_Q4_VNNI
+  thread_local std::vector<int32_t> xsum;  // each block's sum of xq (the VNNI tile's correction)
+  if (int64_t(xsum.size()) < M * nb) xsum.resize(M * nb);
+  for (int64_t i = 0; i < M * nb; ++i) {
+    int32_t sum = 0;
+    for (int64_t j = 0; j < QK; ++j) sum += a.xq[i * QK + j];
+    xsum[i] = sum;
+  }
+  const int32_t* xs = xsum.data();
+  for_each_tile<ROWS_TILE>(M, N, [&](int64_t t, int64_t m, auto rows) {
+    tile_rows_q8<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, xs + m * nb, K, w + t * nb * RECORD_Q8,
+                                        bias ? bias + t * NR : nullptr, y + m * N + t * NR, N, m == 0);
+  });
+#else
   for_each_tile<ROWS>(M, N, [&](int64_t t, int64_t m, auto rows) {
     tile_rows_q8<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, K, w + t * nb * RECORD_Q8,
                                         bias ? bias + t * NR : nullptr, y + m * N + t * NR, N, m == 0);
   });
+#endif
 }
