@@ -136,7 +136,8 @@ def test_decode_groups_cover_every_decode_once_with_bounded_padding() -> None:
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_attention_metadata_against_a_token_by_token_reference(block_size: int) -> None:
     """Random batches of decodes and prompt chunks (chunks crossing blocks, starting mid-block): each token's
-    slot, the rows, lengths and block tables of the decode groups (padded with block 0), and whole_step."""
+    slot, the rows, lengths and block tables of the decode groups (padded with block 0), whole_step and row_range;
+    with no limit on padding, all decodes in one group in batch order."""
     import random
 
     from pagoda.layers.attention.backend import build_attention_metadata
@@ -165,9 +166,16 @@ def test_attention_metadata_against_a_token_by_token_reference(block_size: int) 
                 seen.append(i)
                 t = seqs[i][0]
                 assert table == t + [0] * (len(table) - len(t)) and length == seqs[i][1] + 1
-        assert sorted(seen) == [i for i, s in enumerate(seqs) if s[2] == 1]
+        decodes = [i for i, s in enumerate(seqs) if s[2] == 1]
+        assert sorted(seen) == decodes
+        if padding == float("inf"):
+            assert seen == decodes and len(meta.decode_groups) == (1 if decodes else 0)
         whole = len(meta.decode_groups) == 1 and meta.decode_groups[0].rows.tolist() == list(range(len(seqs)))
         assert all(g.whole_step == whole for g in meta.decode_groups)
+        for g in meta.decode_groups:
+            rows = g.rows.tolist()
+            consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+            assert g.row_range == ((rows[0], rows[-1] + 1) if consecutive else None)
 
 
 @pytest.mark.parametrize(("num_seqs", "num_blocks"), [(1, 1), (1, 3), (3, 1), (2, 2)])
@@ -297,16 +305,26 @@ def test_cpp_kernel_decodes_every_8_bit_code(storage: torch.dtype, portable: boo
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpp_write_matches_torch_write(dtype: torch.dtype) -> None:
-    """The C++ writer puts every element where PagedKVCache.write (torch indexing) puts it."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("source", ["fused rows", "contiguous", "model dtype"])
+def test_cpp_write_matches_torch_write(dtype: torch.dtype, source: str) -> None:
+    """The C++ writer puts every element where PagedKVCache.write (torch indexing) puts it, rounded as torch's `.to`
+    rounds: float32 K and V as views into a fused q/k/v output (the kernel reads them in place and rounds them),
+    contiguous float32 ones, and ones already in the cache's dtype."""
     from pagoda.layers.attention.cpp import write_kv
     from tests.layers.test_kv_quant import make_cache
 
     g = torch.Generator().manual_seed(0)
     ours, theirs = (make_cache(KVCacheSpec(dtype), num_blocks=10, block_size=16, hkv=3, d=64) for _ in range(2))
     slots = torch.randperm(160, generator=g)[:100]  # 100 tokens scattered over 10 blocks
-    k, v = torch.randn(100, 3, 64, generator=g), torch.randn(100, 3, 64, generator=g)
+    qkv = torch.randn(100, 9 * 64 + 2 * 3 * 64, generator=g) * 3
+    qkv[:5, 9 * 64:] = 70000.0  # past float16's range: inf, as torch rounds it
+    qkv[5:10, 9 * 64:] = torch.tensor(1.0 + 2.0**-11)  # a float16 tie (and a bfloat16 round-down)
+    k, v = qkv[:, 9 * 64:12 * 64].view(100, 3, 64), qkv[:, 12 * 64:].view(100, 3, 64)
+    if source == "contiguous":
+        k, v = k.contiguous(), v.contiguous()
+    elif source == "model dtype":
+        k, v = k.to(dtype), v.to(dtype)
     write_kv(ours, 9, slots, k, v)
     theirs.write(slots, k, v)
     assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)

@@ -731,3 +731,31 @@ extern "C" void pagoda_write_kv(elem_t* k, elem_t* v, const elem_t* k_new, const
     std::memcpy(v + (block * BS + offset) * HKV * D, v_new + t * HKV * D, HKV * D * sizeof(elem_t));
   }
 }
+
+#if PAGODA_ELEM <= 2
+// The same for a float32 model's K and V as its layer computed them: token t's (HKV, D) values at k_new + t * stride
+// and v_new + t * stride (columns of the fused q/k/v projection's rows), rounded here to a 16-bit cache's dtype to
+// nearest even, as torch's `.to` rounds. The backend's write had first copied them out with two torch calls a layer
+// (~10 us each, and most of a decode step's torch calls after the linears).
+static inline elem_t from_float(float x) {
+#if PAGODA_ELEM == 1
+  return f_to_bf16(x);
+#else
+  return elem_t(x);  // float32, or float16 (the conversion rounds to nearest even)
+#endif
+}
+
+extern "C" void pagoda_write_kv_f32(elem_t* k, elem_t* v, const float* k_new, const float* v_new, int64_t stride,
+                                    const int64_t* slots, int64_t T) {
+#pragma omp parallel for schedule(static) if (T >= 64)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t block = slots[t] / BS, offset = slots[t] % BS;
+    const float* kr = k_new + t * stride;
+    const float* vr = v_new + t * stride;
+    elem_t* kb = k + block * HKV * D * BS + offset;
+    elem_t* vb = v + (block * BS + offset) * HKV * D;
+    for (int64_t i = 0; i < HKV * D; ++i) kb[i * BS] = from_float(kr[i]);
+    for (int64_t i = 0; i < HKV * D; ++i) vb[i] = from_float(vr[i]);
+  }
+}
+#endif
