@@ -59,7 +59,8 @@ def test_cpp_backend_matches_reference(dtype: torch.dtype, tol: float, storage: 
 @pytest.mark.parametrize("num_seqs", [1, 3, 40])
 def test_cpp_kernel_on_long_scattered_contexts(num_seqs: int) -> None:
     """Contexts of 1-700 tokens in blocks scattered through the cache, a table padded past each sequence's
-    blocks with garbage block ids that must not be read, against the float64 reference."""
+    blocks with garbage block ids that must not be read, against the float64 reference; q contiguous or a view
+    into wider rows."""
     from tests.layers.test_kv_quant import make_cache
 
     g = torch.Generator().manual_seed(num_seqs)
@@ -73,6 +74,9 @@ def test_cpp_kernel_on_long_scattered_contexts(num_seqs: int) -> None:
     got = paged_decode(q, cache, tables, lens, 0.125)
     want = paged_decode_attention(q.double(), cache.k.double(), cache.v.double(), None, None, tables, lens, 0.125)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    wide = torch.randn(num_seqs, 9 * 64 + 100, generator=g)  # q as a view into wider rows, read in place
+    wide[:, :9 * 64] = q.view(num_seqs, -1)
+    assert torch.equal(paged_decode(wide[:, :9 * 64].view(num_seqs, 9, 64), cache, tables, lens, 0.125), got)
     call, out = prepared_decode(q, cache, tables, lens, 0.125)  # the bound call, as the kernel-only bench reruns it
     for _ in range(2):
         out.zero_()

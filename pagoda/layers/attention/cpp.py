@@ -56,6 +56,7 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
     lib = load_library(_SOURCE, defines, _FLAGS, rev)
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {"pagoda_paged_decode": [ptr] * 10 + [i64] * 3 + [f32],
+                  "pagoda_paged_decode_rows": [ptr, i64] + [ptr] * 9 + [i64] * 3 + [f32],
                   "pagoda_paged_prefill": [ptr] * 7 + [i64] * 2 + [ptr, f32],
                   "pagoda_write_kv": [ptr] * 5 + [i64]}
     if hasattr(lib, "pagoda_write_kv_f32"):  # float32, bfloat16 and float16 caches
@@ -140,10 +141,11 @@ def prepared_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch
     call of it runs the kernel alone, as the one-call forward does (`bench.decode_attention --kernel-only`)."""
     b, hq, d = q.shape
     lib = _library_for(kv_cache, hq, rev=rev)
-    fn = lib.pagoda_paged_decode
     width = block_tables.shape[1]
     span_blocks, spans = decode_spans(b, width)
-    qf = q.to(torch.float32).contiguous()
+    # float32 rows of one run each (views into the q/k/v output) are read in place, others copied out first
+    rows = q.dtype == torch.float32 and q.stride()[1:] == (d, 1) and hasattr(lib, "pagoda_paged_decode_rows")
+    qf = q if rows else q.to(torch.float32).contiguous()
     bt, lens = block_tables.contiguous(), seq_lens.contiguous()
     assert bt.dtype == lens.dtype == torch.int64, (bt.dtype, lens.dtype)  # read as int64_t by the kernel
     out = torch.empty((b, hq, d), dtype=torch.float32)
@@ -154,8 +156,10 @@ def prepared_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch
     def ptr(t: torch.Tensor | None) -> int | None:
         return None if t is None else t.data_ptr()
 
-    args = (ptr(qf), ptr(kv_cache.k), ptr(kv_cache.v), ptr(ks), ptr(vs), ptr(table), ptr(bt), ptr(lens), ptr(out),
-            ptr(work), b, width, span_blocks, scale)
+    rest = (ptr(kv_cache.k), ptr(kv_cache.v), ptr(ks), ptr(vs), ptr(table), ptr(bt), ptr(lens), ptr(out), ptr(work),
+            b, width, span_blocks, scale)
+    fn = lib.pagoda_paged_decode_rows if rows else lib.pagoda_paged_decode
+    args: tuple[Any, ...] = (ptr(qf), qf.stride(0), *rest) if rows else (ptr(qf), *rest)
     keep = (qf, bt, lens, out, work, table, kv_cache)  # what the addresses point into, alive with the call
 
     def call() -> None:

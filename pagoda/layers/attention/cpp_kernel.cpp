@@ -332,11 +332,12 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
 // above or null; table: fp8 decoding table or null; block_tables (B, W) int64; seq_lens (B,) int64 (each >= 1);
 // out (B, HQ, D) float32. Sequences are cut into spans of span_blocks blocks (the caller picks it so that there are
 // enough work items for the threads); work (B, ceil(W / span_blocks), HQ, D + 2) float32 holds spans'
-// partial results. qscale = softmax scale.
-extern "C" void pagoda_paged_decode(const float* q_in, const elem_t* k, const elem_t* v, const uint16_t* ks,
-                                    const uint16_t* vs, const float* table, const int64_t* block_tables,
-                                    const int64_t* seq_lens, float* out, float* work, int64_t B, int64_t W,
-                                    int64_t span_blocks, float qscale) {
+// partial results. qscale = softmax scale. pagoda_paged_decode_rows: q's rows q_stride floats apart (a view into
+// the fused q/k/v projection's output, read in place instead of copied out first).
+extern "C" void pagoda_paged_decode_rows(const float* q_in, int64_t q_stride, const elem_t* k, const elem_t* v,
+                                         const uint16_t* ks, const uint16_t* vs, const float* table,
+                                         const int64_t* block_tables, const int64_t* seq_lens, float* out, float* work,
+                                         int64_t B, int64_t W, int64_t span_blocks, float qscale) {
   const int64_t spans = (W + span_blocks - 1) / span_blocks;
   const float log2e = 1.4426950408889634f;
   constexpr int64_t PART = HQ * (D + 2);  // one span's m, l and acc
@@ -350,7 +351,7 @@ extern "C" void pagoda_paged_decode(const float* q_in, const elem_t* k, const el
       const int64_t j0 = p * span_blocks, j1 = std::min(nblocks, j0 + span_blocks);
       if (j0 >= j1) continue;
       alignas(64) float q[HQ * D];
-      for (int64_t i = 0; i < HQ * D; ++i) q[i] = q_in[b * HQ * D + i] * (qscale * log2e);
+      for (int64_t i = 0; i < HQ * D; ++i) q[i] = q_in[b * q_stride + i] * (qscale * log2e);
       float* part = work + item * PART;
       attend_span<1>(q, k, v, ks, vs, table, block_tables + b * W, j0, j1, &len, part, part + HQ, part + 2 * HQ);
     }
@@ -378,6 +379,14 @@ extern "C" void pagoda_paged_decode(const float* q_in, const elem_t* k, const el
       }
     }
   }
+}
+
+extern "C" void pagoda_paged_decode(const float* q_in, const elem_t* k, const elem_t* v, const uint16_t* ks,
+                                    const uint16_t* vs, const float* table, const int64_t* block_tables,
+                                    const int64_t* seq_lens, float* out, float* work, int64_t B, int64_t W,
+                                    int64_t span_blocks, float qscale) {
+  pagoda_paged_decode_rows(q_in, HQ * D, k, v, ks, vs, table, block_tables, seq_lens, out, work, B, W, span_blocks,
+                           qscale);
 }
 
 // Query rows per work item of a prompt, which share each load of K and V. Where a row's G * ND output vectors fit
