@@ -27,11 +27,11 @@
 
 #if defined(__AVX2__) && defined(__F16C__) && !defined(PAGODA_PORTABLE)  // F16C: the scales
 #define PAGODA_Q4_AVX2 1
-// AVX-512 VNNI (with VL for its 256-bit form): `vpdpbusd` multiplies 32 byte pairs (unsigned x signed) and adds
-// each 4 neighbours into an int32 lane of the accumulator, what `vpmaddubsw`, `vpmaddwd` against ones and an add
-// do in three. The integer sums are the same (no step saturates: see above and at Q8_0), so the outputs are too
-// (tests build both on such a CPU, the AVX2 one with PAGODA_NO_VNNI, and compare them).
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(PAGODA_NO_VNNI)
+// AVX-512 VNNI: `vpdpbusd` multiplies 64 byte pairs (unsigned x signed) and adds each 4 neighbours into an int32
+// lane of the accumulator, what `vpmaddubsw`, `vpmaddwd` against ones and an add do in three; the VNNI tiles
+// (below) are 512-bit. The integer sums are the same (no step saturates: see above and at Q8_0), so the outputs
+// are too (tests build both on such a CPU, the AVX2 one with PAGODA_NO_VNNI, and compare them).
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(PAGODA_NO_VNNI)
 #define PAGODA_Q4_VNNI 1
 #endif
 #endif
@@ -308,7 +308,8 @@ static void tile_rows_q8(const int8_t* xq, const float* dx, const int32_t* xsum,
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + TILE_BYTES_Q8)));
     for (int r = 0; r < R; ++r) {
-      const __m512i sums = _mm512_sub_epi32(_mm512_add_epi32(s[0][r], s[1][r]), _mm512_set1_epi32(128 * xsum[r * nb + b]));
+      const __m512i sums =
+          _mm512_sub_epi32(_mm512_add_epi32(s[0][r], s[1][r]), _mm512_set1_epi32(128 * xsum[r * nb + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
     }
   }
