@@ -28,7 +28,7 @@ class DecodeGroup:
     whole_step: bool = False  # rows are 0..T-1 in order: the step is this group's decodes alone
     # (first, last + 1) where rows are consecutive and ascending, as a step's decodes are when they come before its
     # prompt chunks (the scheduler's order): the backend then slices q and out instead of gathering and scattering
-    # rows (torch's index and index_put cost ~50 us each at 128 rows, once per layer)
+    # rows (torch's index and index_put, ~50 us together at 128 rows, once per layer)
     row_range: tuple[int, int] | None = None
 
 
