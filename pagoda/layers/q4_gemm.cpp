@@ -80,9 +80,10 @@ constexpr int ROWS_TILE = ROWS;
 // about as well (BENCHMARKS.md, "Prefetching the packed weights").
 constexpr int64_t PREFETCH_RECORDS = 8;
 
-// x (M, K) float32 -> xq (M, K) int8, dx and sx (M, K / QK) float32; K a multiple of QK. Rounding is to
-// nearest, ties to even (nearbyintf in the default rounding mode), as torch.round.
-extern "C" void pagoda_q8_quantize(const float* x, int8_t* xq, float* dx, float* sx, int64_t M, int64_t K) {
+// x (M, K) float32 -> xq (M, K) int8, dx and sx (M, K / QK) float32, and where xsum is not null each block's sum
+// of xq (M, K / QK) int32 (the VNNI Q8_0 tile's correction, below); K a multiple of QK. Rounding is to nearest,
+// ties to even (nearbyintf in the default rounding mode), as torch.round.
+static void quantize(const float* x, int8_t* xq, float* dx, float* sx, int32_t* xsum, int64_t M, int64_t K) {
   const int64_t blocks = M * (K / QK);
 #pragma omp parallel for schedule(static) if (blocks >= 512)
   for (int64_t i = 0; i < blocks; ++i) {
@@ -109,6 +110,14 @@ extern "C" void pagoda_q8_quantize(const float* x, int8_t* xq, float* dx, float*
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * QK),
                         _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    if (xsum) {  // the int32 values before packing (in -127..127: the packs do not saturate them)
+      int32_t ints[8];
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ints),
+                          _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+      int32_t total = 0;
+      for (int j = 0; j < 8; ++j) total += ints[j];
+      xsum[i] = total;
+    }
 #else
     float amax = 0.0f, s = 0.0f;
     for (int64_t j = 0; j < QK; ++j) {
@@ -116,11 +125,17 @@ extern "C" void pagoda_q8_quantize(const float* x, int8_t* xq, float* dx, float*
       s += p[j];
     }
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int64_t j = 0; j < QK; ++j) xq[i * QK + j] = int8_t(std::nearbyintf(p[j] * inv));
+    int32_t total = 0;
+    for (int64_t j = 0; j < QK; ++j) total += xq[i * QK + j] = int8_t(std::nearbyintf(p[j] * inv));
+    if (xsum) xsum[i] = total;
 #endif
     dx[i] = amax / 127.0f;
     sx[i] = s;
   }
+}
+
+extern "C" void pagoda_q8_quantize(const float* x, int8_t* xq, float* dx, float* sx, int64_t M, int64_t K) {
+  quantize(x, xq, dx, sx, nullptr, M, K);
 }
 
 // The n-th float16 value from p, as float32.
@@ -397,22 +412,25 @@ static void for_each_tile(int64_t M, int64_t N, const Tile& tile) {
   }
 }
 
-// x (M, K) rounded by pagoda_q8_quantize into the calling thread's scratch, kept between calls (thread_local:
-// the kernels' threads read it through these addresses).
+// x (M, K) rounded by quantize into the calling thread's scratch, kept between calls (thread_local: the kernels'
+// threads read it through these addresses); the blocks' sums of xq only where asked (else xsum is null).
 struct Rounded {
   const int8_t* xq;
   const float* dx;
   const float* sx;
+  const int32_t* xsum;
 };
 
-static Rounded round_into_scratch(const float* x, int64_t M, int64_t K) {
+static Rounded round_into_scratch(const float* x, int64_t M, int64_t K, bool sums = false) {
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> scales;
+  thread_local std::vector<int32_t> xsum;
   const int64_t blocks = M * (K / QK);
   if (int64_t(xq.size()) < M * K) xq.resize(M * K);
   if (int64_t(scales.size()) < 2 * blocks) scales.resize(2 * blocks);
-  pagoda_q8_quantize(x, xq.data(), scales.data(), scales.data() + blocks, M, K);
-  return {xq.data(), scales.data(), scales.data() + blocks};
+  if (sums && int64_t(xsum.size()) < blocks) xsum.resize(blocks);
+  quantize(x, xq.data(), scales.data(), scales.data() + blocks, sums ? xsum.data() : nullptr, M, K);
+  return {xq.data(), scales.data(), scales.data() + blocks, sums ? xsum.data() : nullptr};
 }
 
 // A Q4_1 layer in one call: x (M, K) float32, w (N / NR, K / QK, RECORD_Q4) bytes, bias (N) float32 or null, y
@@ -436,21 +454,14 @@ extern "C" void pagoda_q4_linear(const void* x, const void* w, const void* bias,
 extern "C" void pagoda_q8_linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
                                  int64_t K) {
   const int64_t nb = K / QK;
-  const Rounded a = round_into_scratch(x, M, K);
 #ifdef PAGODA_Q4_VNNI
-  thread_local std::vector<int32_t> xsum;  // each block's sum of xq (the VNNI tile's correction)
-  if (int64_t(xsum.size()) < M * nb) xsum.resize(M * nb);
-  for (int64_t i = 0; i < M * nb; ++i) {
-    int32_t sum = 0;
-    for (int64_t j = 0; j < QK; ++j) sum += a.xq[i * QK + j];
-    xsum[i] = sum;
-  }
-  const int32_t* xs = xsum.data();
+  const Rounded a = round_into_scratch(x, M, K, true);  // with the blocks' sums of xq, the tile's correction
   for_each_tile<ROWS_TILE>(M, N, [&](int64_t t, int64_t m, auto rows) {
-    tile_rows_q8<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, xs + m * nb, K, w + t * nb * RECORD_Q8,
+    tile_rows_q8<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, a.xsum + m * nb, K, w + t * nb * RECORD_Q8,
                                         bias ? bias + t * NR : nullptr, y + m * N + t * NR, N, m == 0);
   });
 #else
+  const Rounded a = round_into_scratch(x, M, K);
   for_each_tile<ROWS>(M, N, [&](int64_t t, int64_t m, auto rows) {
     tile_rows_q8<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, K, w + t * nb * RECORD_Q8,
                                         bias ? bias + t * NR : nullptr, y + m * N + t * NR, N, m == 0);
