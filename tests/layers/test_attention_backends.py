@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagoda.layers.attention.backend import PagedAttentionBackend
+from pagoda.layers.attention.backend import AttentionMetadata, PagedAttentionBackend
 from pagoda.layers.attention.compiled import CompiledAttentionBackend, paged_decode_attention
 from pagoda.layers.attention.cpp import CppAttentionBackend, paged_decode, prepared_decode, supports
+from pagoda.layers.attention.paged_kv import PagedKVCache
 from pagoda.layers.attention.sdpa import KernelBackend, SDPAAttentionBackend
 from pagoda.layers.kv_quant import KVCacheSpec
 from tests.layers.test_kv_quant import run_steps
@@ -180,6 +181,36 @@ def test_attention_metadata_against_a_token_by_token_reference(block_size: int) 
             rows = g.rows.tolist()
             consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
             assert g.row_range == ((rows[0], rows[-1] + 1) if consecutive else None)
+
+
+@pytest.mark.parametrize("padding", [1.25, float("inf")])
+def test_decode_rows_sliced_or_whole_step_as_gathered(padding: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step loop's shortcuts (a whole_step group's output as it is, a row_range group's rows sliced) give what
+    gathering and scattering each group's rows gives, on the reference backend's mixed steps; both shortcuts
+    are taken."""
+    import dataclasses
+
+    from pagoda.layers.attention import backend as backend_module
+    from pagoda.layers.attention.torch_ref import TorchAttentionBackend
+    from tests.layers.test_kv_quant import run_steps
+
+    monkeypatch.setattr(backend_module, "DECODE_GROUP_PADDING", padding)
+    taken = {"whole_step": 0, "row_range": 0}
+
+    class Checked(TorchAttentionBackend):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+            out = super().forward(q, k, v, kv_cache, meta, scale)
+            for g in meta.decode_groups:
+                taken["whole_step"] += g.whole_step
+                taken["row_range"] += g.row_range is not None and not g.whole_step
+            plain = [dataclasses.replace(g, whole_step=False, row_range=None) for g in meta.decode_groups]
+            gathered = super().forward(q, k, v, kv_cache, dataclasses.replace(meta, decode_groups=plain), scale)
+            assert torch.equal(out, gathered)
+            return out
+
+    run_steps(KVCacheSpec(torch.float32), torch.float32, backend=Checked(), bs=16)
+    assert taken["whole_step"] > 0 and taken["row_range"] > 0
 
 
 @pytest.mark.parametrize(("num_seqs", "num_blocks"), [(1, 1), (1, 3), (3, 1), (2, 2)])

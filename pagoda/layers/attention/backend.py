@@ -66,8 +66,7 @@ def build_attention_metadata(seqs: list[tuple[list[int], int, int]], block_size:
     lengths = [len(t) for t, _, _ in seqs]
     decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
     padding = DECODE_GROUP_PADDING if group_padding is None else group_padding
-    # one group for all: kept in batch order (sorted by length, its rows would have to be gathered)
-    members = [decodes] if padding == float("inf") and decodes else _group_by_length(decodes, lengths, padding)
+    members = _group_by_length(decodes, lengths, padding)
     groups = [_decode_group(g, seqs, qsl, seq_lens) for g in members]
     if len(groups) == 1 and len(decodes) == len(seqs):  # its rows are 0..B-1 in order
         groups[0].whole_step = members[0] == list(range(len(seqs)))
@@ -79,7 +78,10 @@ def build_attention_metadata(seqs: list[tuple[list[int], int, int]], block_size:
 
 
 def _group_by_length(idx: list[int], lengths: list[int], padding: float) -> list[list[int]]:
-    """Split sequences (sorted by blocks) so that padding each group to its longest wastes little."""
+    """Split sequences (sorted by blocks) so that padding each group to its longest wastes little. With no limit
+    (inf) all in one group, in batch order: sorted, its rows would have to be gathered at every layer."""
+    if padding == float("inf"):
+        return [idx] if idx else []
     groups: list[list[int]] = []
     blocks = 0
     for i in sorted(idx, key=lambda i: lengths[i]):
