@@ -345,7 +345,7 @@ def test_cpp_kernel_decodes_every_8_bit_code(storage: torch.dtype, portable: boo
 def test_cpp_write_matches_torch_write(dtype: torch.dtype, source: str) -> None:
     """The C++ writer puts every element where PagedKVCache.write (torch indexing) puts it, rounded as torch's `.to`
     rounds: float32 K and V as views into a fused q/k/v output (the kernel reads them in place and rounds them),
-    contiguous float32 ones, and ones already in the cache's dtype."""
+    contiguous float32 ones, and views into q/k/v rows already in the cache's dtype."""
     from pagoda.layers.attention.cpp import write_kv
     from tests.layers.test_kv_quant import make_cache
 
@@ -355,11 +355,11 @@ def test_cpp_write_matches_torch_write(dtype: torch.dtype, source: str) -> None:
     qkv = torch.randn(100, 9 * 64 + 2 * 3 * 64, generator=g) * 3
     qkv[:5, 9 * 64:] = 70000.0  # past float16's range: inf, as torch rounds it
     qkv[5:10, 9 * 64:] = torch.tensor(1.0 + 2.0**-11)  # a float16 tie (and a bfloat16 round-down)
+    if source == "model dtype":  # a model of the cache's dtype: its own q/k/v rows
+        qkv = qkv.to(dtype)
     k, v = qkv[:, 9 * 64:12 * 64].view(100, 3, 64), qkv[:, 12 * 64:].view(100, 3, 64)
     if source == "contiguous":
         k, v = k.contiguous(), v.contiguous()
-    elif source == "model dtype":
-        k, v = k.to(dtype), v.to(dtype)
     write_kv(ours, 9, slots, k, v)
     theirs.write(slots, k, v)
     assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)

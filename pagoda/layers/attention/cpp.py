@@ -58,8 +58,9 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
     signatures = {"pagoda_paged_decode": [ptr] * 10 + [i64] * 3 + [f32],
                   "pagoda_paged_decode_rows": [ptr, i64] + [ptr] * 9 + [i64] * 3 + [f32],
                   "pagoda_paged_prefill": [ptr] * 7 + [i64] * 2 + [ptr, f32],
-                  "pagoda_write_kv": [ptr] * 5 + [i64]}
-    if hasattr(lib, "pagoda_write_kv_f32"):  # float32, bfloat16 and float16 caches
+                  "pagoda_write_kv": [ptr] * 5 + [i64],
+                  "pagoda_write_kv_rows": [ptr] * 4 + [i64, ptr, i64]}
+    if hasattr(lib, "pagoda_write_kv_f32"):  # bfloat16 and float16 caches
         signatures["pagoda_write_kv_f32"] = [ptr] * 4 + [i64, ptr, i64]
     if hasattr(lib, "pagoda_paged_prefill_amx"):  # compiled where the compiler targets AMX, for bfloat16 caches
         signatures["pagoda_paged_prefill_amx"] = [ptr] * 4 + [i64] * 2 + [ptr, ptr, f32]
@@ -83,23 +84,20 @@ def _library_for(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = Fals
 
 
 def write_kv(kv_cache: PagedKVCache, num_q_heads: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """PagedKVCache.write for a cache without scales, in one pass: k, v (T, Hkv, D) to slots (T,). Float32 k and v
-    whose rows are each one run of Hkv * D values (views into the fused q/k/v projection's output, same row
-    stride) go to the cache as they are, rounded to its dtype by the kernel (pagoda_write_kv_f32); others are
-    converted and made contiguous first."""
+    """PagedKVCache.write for a cache without scales, in one pass: k, v (T, Hkv, D) to slots (T,). Rows that are
+    each one run of Hkv * D values, k's and v's the same stride apart (views into the fused q/k/v projection's
+    output), are read in place, others made contiguous first; values in the cache's dtype are copied, float32 ones
+    rounded to a 16-bit cache's dtype by the kernel (pagoda_write_kv_f32), others converted by torch first."""
     lib = _library_for(kv_cache, num_q_heads)
+    same = k.dtype == v.dtype == kv_cache.k.dtype
+    if not same and not (k.dtype == v.dtype == torch.float32 and hasattr(lib, "pagoda_write_kv_f32")):
+        k, v, same = k.to(kv_cache.k.dtype), v.to(kv_cache.v.dtype), True
+    if not (k.stride() == v.stride() and k.stride()[1:] == (k.shape[2], 1)):
+        k, v = k.contiguous(), v.contiguous()
     slots = slots.contiguous()
-    if (k.dtype == v.dtype == torch.float32 and kv_cache.k.dtype in _F32_WRITE_DTYPES and k.stride() == v.stride()
-            and k.stride()[1:] == (k.shape[2], 1)):
-        lib.pagoda_write_kv_f32(kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                k.stride(0), slots.data_ptr(), slots.numel())
-        return
-    k, v = k.to(kv_cache.k.dtype).contiguous(), v.to(kv_cache.v.dtype).contiguous()
-    lib.pagoda_write_kv(kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(),
-                        slots.numel())
-
-
-_F32_WRITE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # caches pagoda_write_kv_f32 is built for
+    write = lib.pagoda_write_kv_rows if same else lib.pagoda_write_kv_f32
+    write(kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(),
+          slots.numel())
 
 
 @functools.cache

@@ -726,45 +726,48 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const uint16_t* k
 }
 #endif
 
-// Write T new tokens' K and V (T, HKV, D), already in the storage dtype, to their slots (block * BS +
-// offset): V rows are copied whole; K elements go to the tokens-innermost layout, stride BS apart. For
-// caches without scales (quantized ones are written by torch code, pagoda/layers/kv_quant.py).
-extern "C" void pagoda_write_kv(elem_t* k, elem_t* v, const elem_t* k_new, const elem_t* v_new, const int64_t* slots,
-                                int64_t T) {
-#pragma omp parallel for schedule(static) if (T >= 64)
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t block = slots[t] / BS, offset = slots[t] % BS;
-    const elem_t* kr = k_new + t * HKV * D;
-    elem_t* kb = k + block * HKV * D * BS + offset;
-    for (int64_t i = 0; i < HKV * D; ++i) kb[i * BS] = kr[i];
-    std::memcpy(v + (block * BS + offset) * HKV * D, v_new + t * HKV * D, HKV * D * sizeof(elem_t));
-  }
-}
-
-#if PAGODA_ELEM <= 2
-// The same for a float32 model's K and V as its layer computed them: token t's (HKV, D) values at k_new + t * stride
-// and v_new + t * stride (columns of the fused q/k/v projection's rows), rounded here to a 16-bit cache's dtype to
-// nearest even, as torch's `.to` rounds. The backend's write had first copied them out with two torch calls a layer
-// (~10 us each, and most of a decode step's torch calls after the linears).
-static inline elem_t from_float(float x) {
+// Write T new tokens' K and V (T, HKV, D) to their slots (block * BS + offset): token t's values at k_new + t *
+// stride and v_new + t * stride, each one run of HKV * D (views into the fused q/k/v projection's rows are read in
+// place; copying them out first cost two torch calls a layer, ~10 us each at 128 rows). V rows go in whole; K
+// elements go to the tokens-innermost layout, stride BS apart. For caches without scales (quantized ones are
+// written by torch code, pagoda/layers/kv_quant.py). In is elem_t (values already in the storage dtype) or float
+// (a float32 model's, rounded here to a 16-bit cache's dtype to nearest even, as torch's `.to` rounds).
+static inline elem_t to_elem(elem_t x) { return x; }
 #if PAGODA_ELEM == 1
-  return f_to_bf16(x);
-#else
-  return elem_t(x);  // float32, or float16 (the conversion rounds to nearest even)
+static inline elem_t to_elem(float x) { return f_to_bf16(x); }
+#elif PAGODA_ELEM == 2
+static inline elem_t to_elem(float x) { return elem_t(x); }  // the conversion rounds to nearest even
 #endif
-}
 
-extern "C" void pagoda_write_kv_f32(elem_t* k, elem_t* v, const float* k_new, const float* v_new, int64_t stride,
-                                    const int64_t* slots, int64_t T) {
+template <typename In>
+static void write_rows(elem_t* k, elem_t* v, const In* k_new, const In* v_new, int64_t stride, const int64_t* slots,
+                       int64_t T) {
 #pragma omp parallel for schedule(static) if (T >= 64)
   for (int64_t t = 0; t < T; ++t) {
     const int64_t block = slots[t] / BS, offset = slots[t] % BS;
-    const float* kr = k_new + t * stride;
-    const float* vr = v_new + t * stride;
+    const In* kr = k_new + t * stride;
+    const In* vr = v_new + t * stride;
     elem_t* kb = k + block * HKV * D * BS + offset;
     elem_t* vb = v + (block * BS + offset) * HKV * D;
-    for (int64_t i = 0; i < HKV * D; ++i) kb[i * BS] = from_float(kr[i]);
-    for (int64_t i = 0; i < HKV * D; ++i) vb[i] = from_float(vr[i]);
+    for (int64_t i = 0; i < HKV * D; ++i) kb[i * BS] = to_elem(kr[i]);
+    for (int64_t i = 0; i < HKV * D; ++i) vb[i] = to_elem(vr[i]);
   }
+}
+
+// Contiguous rows in the storage dtype (the one-call forward's write).
+extern "C" void pagoda_write_kv(elem_t* k, elem_t* v, const elem_t* k_new, const elem_t* v_new, const int64_t* slots,
+                                int64_t T) {
+  write_rows(k, v, k_new, v_new, HKV * D, slots, T);
+}
+
+extern "C" void pagoda_write_kv_rows(elem_t* k, elem_t* v, const elem_t* k_new, const elem_t* v_new, int64_t stride,
+                                     const int64_t* slots, int64_t T) {
+  write_rows(k, v, k_new, v_new, stride, slots, T);
+}
+
+#if PAGODA_ELEM == 1 || PAGODA_ELEM == 2
+extern "C" void pagoda_write_kv_f32(elem_t* k, elem_t* v, const float* k_new, const float* v_new, int64_t stride,
+                                    const int64_t* slots, int64_t T) {
+  write_rows(k, v, k_new, v_new, stride, slots, T);
 }
 #endif
