@@ -156,7 +156,7 @@ def _cache(spec: KVCacheSpec, dtype: torch.dtype, num_blocks: int, bs: int, hkv:
     kernel is timed over the memory it reads in the engine (on 4 KiB pages every block is a few TLB misses)."""
     k, v = torch.randn(num_blocks, hkv, d, bs, generator=g), torch.randn(num_blocks, bs, hkv, d, generator=g)
     if not spec.quantized:
-        k_store, v_store = move_to_huge_pages([k.to(dtype), v.to(dtype)])
+        k_store, v_store = move_to_huge_pages([k.to(spec.storage_dtype), v.to(spec.storage_dtype)])
         return PagedKVCache(k_cache_layout(k_store), v_store, spec)
     # quantized as the engine writes them: one scale per (token or block, KV head)
     k_store, v_store = move_to_huge_pages([torch.empty(num_blocks, hkv, d, bs, dtype=spec.storage_dtype),

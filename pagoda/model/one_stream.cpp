@@ -1,14 +1,17 @@
-// One sequence's decode step of a bfloat16 or float32 Llama-family model, every layer in one call from Python.
+// A decode step of a bfloat16 or float32 Llama-family model, every layer in one call from Python: one sequence's
+// (any model the loop's kernels cover), or a whole decode batch's (B rows; pagoda/model/one_stream.py takes it
+// for models whose linears all run one packed Q4_1 or Q8_0 kernel, which takes B rows as it does one).
 //
 // With one token in the step, the forward pass is ~10 small kernels a layer around four GEMVs, and in eager
 // PyTorch each costs a Python call, a module dispatch and a ctypes call: ~10 ms of a ~22 ms step, while the
-// GEMVs stream the weights in ~12 ms. This loop makes the same calls from C++: it is handed the addresses
-// of the kernels the eager path uses (the fused elementwise ops, the GEMV, the paged-cache write and decode
-// attention, each compiled on its own), the layers' weights and caches, and scratch buffers, and runs them
-// in the eager path's order with the same arguments, so its output is the eager forward's, bit for bit
-// (tests/model/test_one_stream.py). Built and driven by pagoda/model/one_stream.py, after cpp_vector.h, with
-// PAGODA_ELEM #defined: 0 float32, 1 bfloat16 (the model's dtype: weights and activations), and PAGODA_CACHE_ELEM,
-// the KV cache's: the model's, or under a float32 model 1 bfloat16 or 2 float16 (its K and V rounded on write).
+// GEMVs stream the weights in ~12 ms. With B rows the kernels are longer but the Python is the same, and while
+// the main thread runs it the other OpenMP threads wait. This loop makes the same calls from C++: it is handed
+// the addresses of the kernels the eager path uses (the fused elementwise ops, the GEMV or packed linear, the
+// paged-cache write and decode attention, each compiled on its own), the layers' weights and caches, and
+// scratch buffers, and runs them in the eager path's order with the same arguments, so its output is the eager
+// forward's, bit for bit (tests/model/test_one_stream.py). Built and driven by pagoda/model/one_stream.py,
+// after cpp_vector.h, with PAGODA_ELEM #defined: 0 float32, 1 bfloat16 (the model's dtype: weights and
+// activations).
 
 #include <cstdint>
 #include <ctime>
@@ -18,22 +21,6 @@ using elem_t = float;
 #else
 using elem_t = uint16_t;  // bfloat16
 #endif
-static_assert(PAGODA_CACHE_ELEM == PAGODA_ELEM ||
-                  (PAGODA_ELEM == 0 && (PAGODA_CACHE_ELEM == 1 || PAGODA_CACHE_ELEM == 2)),
-              "the cache is in the model's dtype, or a float32 model's is bfloat16 or float16");
-
-// A float32 model's K or V element in a 16-bit cache, rounded to nearest even as torch's .to rounds it (what the
-// eager path's cache write does before its kernel).
-[[maybe_unused]] static inline uint16_t to_cache(float x) {
-#if PAGODA_CACHE_ELEM == 2
-  const _Float16 h = static_cast<_Float16>(x);
-  uint16_t bits;
-  std::memcpy(&bits, &h, sizeof(bits));
-  return bits;
-#else
-  return f_to_bf16(x);
-#endif
-}
 
 using gemv_fn = void (*)(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N, int64_t K);
 using norm_fn = void (*)(const void* x, int64_t xs, void* residual, const void* weight, void* out, int64_t rows,
@@ -41,25 +28,31 @@ using norm_fn = void (*)(const void* x, int64_t xs, void* residual, const void* 
 using rotary_fn = void (*)(void* q, int64_t qs, int64_t hq, void* k, int64_t ks, int64_t hk, const void* cos,
                            const void* sin, int64_t T, int64_t d);
 using silu_mul_fn = void (*)(const void* gate, const void* up, int64_t in_stride, void* out, int64_t rows, int64_t n);
-using write_kv_fn = void (*)(void* k, void* v, const void* k_new, const void* v_new, const int64_t* slots, int64_t T);
-using decode_fn = void (*)(const float* q, const void* k, const void* v, const void* ks, const void* vs,
-                           const float* table, const int64_t* block_tables, const int64_t* seq_lens, float* out,
-                           float* work, int64_t B, int64_t W, int64_t span_blocks, float qscale);
+// the cache write the eager path makes: rows of the cache's dtype copied, or float32 ones rounded to a 16-bit cache's
+using write_kv_fn = void (*)(void* k, void* v, const void* k_new, const void* v_new, int64_t stride,
+                             const int64_t* slots, int64_t T);
+using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, const void* v, const void* ks,
+                           const void* vs, const float* table, const int64_t* block_tables, const int64_t* seq_lens,
+                           float* out, float* work, int64_t B, int64_t W, int64_t span_blocks, float qscale);
 
-// fns: gemv, add_rms_norm, rotary, silu_mul, write_kv, paged_decode, and the lm_head's linear (the GEMV, or a
-// quantized model's Q8_0 kernel, whose signature is the GEMV's).
+// fns: gemv, add_rms_norm, rotary, silu_mul, write_kv (the cache layout's pagoda_write_kv_rows or _f32),
+// paged_decode_rows, and the lm_head's linear (the GEMV, or a quantized model's Q8_0 kernel, whose signature is the
+// GEMV's).
 // layers: per layer LAYER_PTRS addresses, in this order: input norm weight, qkv weight, qkv bias (or null),
 // o weight, o bias (or null), post-attention norm weight, gate_up weight, down weight, K cache, V cache.
-// dims: hidden, q heads, KV heads, head_dim, intermediate. bufs: residual (hidden), h (hidden), qkv, q as
-// float32, attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x (hidden), all of
-// elem_t except the two float32 ones (unused for a float32 model, whose q and output the kernel takes as they are),
-// the decode kernel's work, and the token's K and V in the cache's dtype (2 x KV heads x head_dim; used when that
-// is not the model's). ids, slot, seq_len: (1,); block_table (1, W); cos, sin: (head_dim) of this
-// position. out: the final norm's output (hidden). lm_w, logits, V: the lm_head's weight (plain or packed), and
-// where its V outputs go (the lm_head's output dtype); logits null: no lm_head. ts: null, or OP_COUNT doubles to
-// which each kind of call adds its wall time, in this order: norm, qkv_proj, rotary, write_kv, attention (with the
-// bfloat16 model's conversions of q and of the output), o_proj, gate_up_proj, silu_mul, down_proj, lm_head
-// (`--profile` reports them; two clock reads a call, ~20 us a step).
+// dims: hidden, q heads, KV heads, head_dim, intermediate. bufs, each for B rows: residual (hidden), h (hidden),
+// qkv, q as float32, attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x (hidden),
+// all of elem_t except the two float32 ones (unused for a float32 model, whose q and output the kernel takes as
+// they are), the decode kernel's work (B x spans x q heads x (head_dim + 2) floats), and cos and sin (head_dim
+// each) of the rows' positions. ids, positions, slots, seq_lens: (B,); block_tables (B, W); cos_table,
+// sin_table: the rotary tables, rows rotary_stride elements apart. out: the final norm's output (B, hidden).
+// lm_w, logits, V: the lm_head's weight (plain or packed), and where its B x V outputs go (the lm_head's output
+// dtype); logits null: no lm_head. ts: null, or OP_COUNT doubles to which each kind of call adds its wall time, in
+// this order: norm, qkv_proj, rotary (with gathering the rows' cos and sin), write_kv, attention (with the bfloat16
+// model's conversions of q and of the output), o_proj, gate_up_proj, silu_mul, down_proj, lm_head (`--profile`
+// reports them; two clock reads a call, ~20 us a step).
+// Returns 0, or 1 without computing anything where a position is past the rotary tables' max_positions rows (the
+// eager forward then raises its index error).
 constexpr int64_t LAYER_PTRS = 10;
 enum OneStreamOp {
   OP_NORM, OP_QKV, OP_ROTARY, OP_WRITE_KV, OP_ATTENTION, OP_O, OP_GATE_UP, OP_SILU_MUL, OP_DOWN, OP_LM_HEAD, OP_COUNT
@@ -83,13 +76,17 @@ static inline void timed(double* op_seconds, OneStreamOp op, Call&& call) {
   op_seconds[op] += seconds_now() - start;
 }
 
-extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers, int64_t num_layers,
-                                          const int64_t* dims, float eps, float scale, void* const* bufs,
-                                          const int64_t* ids, const elem_t* embed, const void* final_norm,
-                                          const void* cos, const void* sin, const int64_t* slot,
-                                          const int64_t* block_table,
-                                          const int64_t* seq_len, int64_t W, int64_t span_blocks, void* out,
-                                          const void* lm_w, void* logits, int64_t V, double* ts) {
+extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, int64_t num_layers,
+                                         const int64_t* dims, float eps, float scale, void* const* bufs, int64_t B,
+                                         const int64_t* ids, const elem_t* embed, const void* final_norm,
+                                         const elem_t* cos_table, const elem_t* sin_table, int64_t rotary_stride,
+                                         int64_t max_positions, const int64_t* positions, const int64_t* slots,
+                                         const int64_t* block_tables, const int64_t* seq_lens, int64_t W,
+                                         int64_t span_blocks, void* out, const void* lm_w, void* logits, int64_t V,
+                                         double* ts) {
+  for (int64_t b = 0; b < B; ++b) {
+    if (positions[b] < 0 || positions[b] >= max_positions) return 1;
+  }
   const auto gemv = reinterpret_cast<gemv_fn>(fns[0]);
   const auto norm = reinterpret_cast<norm_fn>(fns[1]);
   const auto rotary = reinterpret_cast<rotary_fn>(fns[2]);
@@ -110,43 +107,50 @@ extern "C" void pagoda_one_stream_forward(void* const* fns, void* const* layers,
   void* act = bufs[8];
   void* x = bufs[9];
   auto* work = static_cast<float*>(bufs[10]);
-  [[maybe_unused]] auto* kv_cached = static_cast<uint16_t*>(bufs[11]);
+  auto* cos = static_cast<elem_t*>(bufs[11]);
+  auto* sin = static_cast<elem_t*>(bufs[12]);
 
-  std::memcpy(residual, embed + ids[0] * H, H * sizeof(elem_t));  // the embedding: the residual stream
+  for (int64_t b = 0; b < B; ++b) {  // the embeddings: the residual stream
+    std::memcpy(residual + b * H, embed + ids[b] * H, H * sizeof(elem_t));
+  }
+  timed(ts, OP_ROTARY, [&] {  // the rows' cos and sin, as the eager forward indexes them once a step
+    for (int64_t b = 0; b < B; ++b) {
+      std::memcpy(cos + b * D, cos_table + positions[b] * rotary_stride, D * sizeof(elem_t));
+      std::memcpy(sin + b * D, sin_table + positions[b] * rotary_stride, D * sizeof(elem_t));
+    }
+  });
   for (int64_t l = 0; l < num_layers; ++l) {
     void* const* p = layers + l * LAYER_PTRS;
     timed(ts, OP_NORM, [&] {
       if (l == 0) {
-        norm(residual, H, nullptr, p[0], h, 1, H, eps);
+        norm(residual, H, nullptr, p[0], h, B, H, eps);
       } else {
-        norm(x, H, residual, p[0], h, 1, H, eps);  // residual += x (the previous MLP's output)
+        norm(x, H, residual, p[0], h, B, H, eps);  // residual += x (the previous MLP's output)
       }
     });
-    timed(ts, OP_QKV, [&] { gemv(h, p[1], p[2], qkv, 1, QKV, H); });
-    timed(ts, OP_ROTARY, [&] { rotary(qkv, QKV, HQ, qkv + QS, QKV, HKV, cos, sin, 1, D); });
-    timed(ts, OP_WRITE_KV, [&] {
-#if PAGODA_CACHE_ELEM == PAGODA_ELEM
-      write_kv(p[8], p[9], qkv + QS, qkv + QS + KVS, slot, 1);
-#else
-      for (int64_t i = 0; i < 2 * KVS; ++i) kv_cached[i] = to_cache(qkv[QS + i]);
-      write_kv(p[8], p[9], kv_cached, kv_cached + KVS, slot, 1);
-#endif
-    });
+    timed(ts, OP_QKV, [&] { gemv(h, p[1], p[2], qkv, B, QKV, H); });
+    timed(ts, OP_ROTARY, [&] { rotary(qkv, QKV, HQ, qkv + QS, QKV, HKV, cos, sin, B, D); });
+    timed(ts, OP_WRITE_KV, [&] { write_kv(p[8], p[9], qkv + QS, qkv + QS + KVS, QKV, slots, B); });
     timed(ts, OP_ATTENTION, [&] {
 #if PAGODA_ELEM == 0
-      decode(qkv, p[8], p[9], nullptr, nullptr, nullptr, block_table, seq_len, attn, work, 1, W, span_blocks, scale);
+      decode(qkv, QKV, p[8], p[9], nullptr, nullptr, nullptr, block_tables, seq_lens, static_cast<float*>(attn), work,
+             B, W, span_blocks, scale);
 #else
-      for (int64_t i = 0; i < QS; ++i) qf[i] = bf16_to_f(qkv[i]);
-      decode(qf, p[8], p[9], nullptr, nullptr, nullptr, block_table, seq_len, attn_f, work, 1, W, span_blocks, scale);
-      for (int64_t i = 0; i < QS; ++i) attn[i] = f_to_bf16(attn_f[i]);
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t i = 0; i < QS; ++i) qf[b * QS + i] = bf16_to_f(qkv[b * QKV + i]);
+      }
+      decode(qf, QS, p[8], p[9], nullptr, nullptr, nullptr, block_tables, seq_lens, attn_f, work, B, W, span_blocks,
+             scale);
+      for (int64_t i = 0; i < B * QS; ++i) attn[i] = f_to_bf16(attn_f[i]);
 #endif
     });
-    timed(ts, OP_O, [&] { gemv(attn, p[3], p[4], o, 1, H, QS); });
-    timed(ts, OP_NORM, [&] { norm(o, H, residual, p[5], h, 1, H, eps); });
-    timed(ts, OP_GATE_UP, [&] { gemv(h, p[6], nullptr, gate_up, 1, 2 * I, H); });
-    timed(ts, OP_SILU_MUL, [&] { silu_mul(gate_up, gate_up + I, 2 * I, act, 1, I); });
-    timed(ts, OP_DOWN, [&] { gemv(act, p[7], nullptr, x, 1, H, I); });
+    timed(ts, OP_O, [&] { gemv(attn, p[3], p[4], o, B, H, QS); });
+    timed(ts, OP_NORM, [&] { norm(o, H, residual, p[5], h, B, H, eps); });
+    timed(ts, OP_GATE_UP, [&] { gemv(h, p[6], nullptr, gate_up, B, 2 * I, H); });
+    timed(ts, OP_SILU_MUL, [&] { silu_mul(gate_up, gate_up + I, 2 * I, act, B, I); });
+    timed(ts, OP_DOWN, [&] { gemv(act, p[7], nullptr, x, B, H, I); });
   }
-  timed(ts, OP_NORM, [&] { norm(x, H, residual, final_norm, out, 1, H, eps); });
-  if (logits != nullptr) timed(ts, OP_LM_HEAD, [&] { lm_head(out, lm_w, nullptr, logits, 1, V, H); });
+  timed(ts, OP_NORM, [&] { norm(x, H, residual, final_norm, out, B, H, eps); });
+  if (logits != nullptr) timed(ts, OP_LM_HEAD, [&] { lm_head(out, lm_w, nullptr, logits, B, V, H); });
+  return 0;
 }

@@ -1,12 +1,17 @@
-"""One sequence's decode step in one C++ call (`one_stream.cpp`): the eager forward's kernels, without its
-Python.
+"""Decode steps in one C++ call (`one_stream.cpp`): the eager forward's kernels, without its Python.
 
 A bfloat16 step of one token is bound by reading the weights (~12 ms for the default model's 269 MB), yet
 eager PyTorch spent ~10 ms more on the ~300 Python-level calls of its 30 layers (module dispatch, ctypes
-calls, output allocations). `OneStreamForward` hands the same C++ kernels (the GEMV, the fused elementwise
-ops, the cpp backend's cache write and decode attention) to a loop in C++, with the weights, caches and
-preallocated scratch buffers, so a step is one call. Its output is the eager forward's, bit for bit: same
-kernels, same order, same arguments.
+calls, output allocations). `OneStreamForward` hands the same C++ kernels (the GEMV or packed linear, the fused
+elementwise ops, the cpp backend's cache write and decode attention) to a loop in C++, with the weights, caches and
+scratch buffers, so a step is one call. Its output is the eager forward's, bit for bit: same kernels, same order,
+same arguments.
+
+Which steps: one sequence's decode, for every model it is built for; and, where every linear runs one packed
+kernel (`--quantization q4_1` or `q8_0`, whose kernel takes any number of rows), every step that is decodes
+alone, any number of them. A 128-sequence q4_1 decode step spent ~19% of its main thread in Python, while the
+other OpenMP thread waited (BENCHMARKS.md, "Batched decode steps in one call"). A bfloat16 or float32 model's
+batched steps stay eager: their linears are oneDNN matmuls there, not the GEMV the loop calls.
 
 Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 or float32 model
 whose linears have the GEMV (or, with `--quantization`, all run the same packed kernel, Q4_1 or Q8_0, which
@@ -49,7 +54,7 @@ _LAYER_PTRS = 10  # as in one_stream.cpp
 OPS = ("norm", "qkv_proj", "rotary", "write_kv", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj",
        "lm_head")
 _ELEM = {torch.float32: 0, torch.bfloat16: 1}  # one_stream.cpp's PAGODA_ELEM
-_CACHE_ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # its PAGODA_CACHE_ELEM
+_BUFFERS = 13  # one_stream.cpp's bufs
 
 
 def _address(fn: Any) -> int:
@@ -57,10 +62,11 @@ def _address(fn: Any) -> int:
 
 
 class OneStreamForward:
-    """forward(input_ids, positions, meta) -> (final hidden (1, hidden), logits (1, vocab)) for a step that is one
-    sequence's decode, else None. The lm_head runs in the same call (its Python call, after the weights have
-    streamed through the caches, cost ~0.25 ms a step; BENCHMARKS.md, "The lm_head in the one-call forward"), where
-    it takes the GEMV or a packed Q8_0 or Q4_1 kernel; otherwise logits is None and the caller runs the lm_head."""
+    """forward(input_ids, positions, meta) -> (final hidden (B, hidden), logits (B, vocab)) for a step this forward
+    takes (`applies`), else None. The lm_head runs in the same call (its Python call, after the weights have
+    streamed through the caches, cost ~0.25 ms a one-stream step; BENCHMARKS.md, "The lm_head in the one-call
+    forward"), where it takes the GEMV or a packed Q8_0 or Q4_1 kernel; otherwise logits is None and the caller
+    runs the lm_head."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKVCache], lib: Any) -> None:
         cfg = model.config
@@ -70,13 +76,17 @@ class OneStreamForward:
         attention = _attention_library(kv_caches[0], cfg.num_heads)
         dtype = self._dtype = model.model.embed_tokens.weight.dtype
         quantized = packed_of(first_attn.qkv_proj)  # if it runs a packed kernel, all run that one (_unsupported)
+        # the packed kernels take B rows as they take one; the GEMV is the eager path's kernel for one row only
+        self.batched = quantized is not None
         linear_fn = quantized.kernel if quantized is not None else gemv_function(_gemv_library(), dtype)
         lm_head = _lm_head(model)
         self._lm_w = lm_head[1] if lm_head is not None else None
         self._logits_dtype = lm_head[2] if lm_head is not None else dtype
         self._vocab = model.lm_head.out_features
+        # the eager path's cache write (cpp.write_kv): rows in the cache's dtype copied, float32 ones rounded
+        write = attention.pagoda_write_kv_rows if kv_caches[0].k.dtype == dtype else attention.pagoda_write_kv_f32
         fns = [linear_fn, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
-               elementwise.pagoda_silu_mul, attention.pagoda_write_kv, attention.pagoda_paged_decode,
+               elementwise.pagoda_silu_mul, write, attention.pagoda_paged_decode_rows,
                lm_head[0] if lm_head is not None else linear_fn]
         self._fns = (ctypes.c_void_p * len(fns))(*[_address(f) for f in fns])
 
@@ -100,66 +110,73 @@ class OneStreamForward:
         assert len(ptrs) == _LAYER_PTRS * len(layers)
         self._layers = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self._num_layers = len(layers)
-        h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
-            cfg.intermediate_size
-        self._dims = torch.tensor([h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, inter], dtype=torch.int64)
-        max_spans = self._max_spans = decode_spans(1, 1 << 30)[1]  # the most spans decode cuts one sequence into
-        f32 = torch.float32
-        self._bufs_tensors = [torch.empty(h, dtype=dtype), torch.empty(h, dtype=dtype),
-                              torch.empty(q + 2 * kv, dtype=dtype), torch.empty(q, dtype=f32),
-                              torch.empty(q, dtype=f32), torch.empty(q, dtype=dtype), torch.empty(h, dtype=dtype),
-                              torch.empty(2 * inter, dtype=dtype), torch.empty(inter, dtype=dtype),
-                              torch.empty(h, dtype=dtype),
-                              torch.empty(max_spans * cfg.num_heads * (cfg.head_dim + 2), dtype=f32),
-                              torch.empty(2 * kv, dtype=kv_caches[0].k.dtype)]
-        self._bufs = (ctypes.c_void_p * len(self._bufs_tensors))(*[t.data_ptr() for t in self._bufs_tensors])
+        self._cfg = cfg
+        self._dims = torch.tensor([cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   cfg.intermediate_size], dtype=torch.int64)
+        self._rows = self._work_floats = 0  # what the scratch buffers hold (_scratch)
+        self._bufs_tensors: list[torch.Tensor] = []
+        self._bufs = (ctypes.c_void_p * _BUFFERS)()
         self._eps = ctypes.c_float(layers[0].input_layernorm.eps)
         self._scale = ctypes.c_float(first_attn.scale)
         self._embed = model.model.embed_tokens.weight
         self._final_norm = model.model.norm.weight
-        self._rotary = model.model.rotary
-        self._rotary_row_bytes = self._rotary.cos.stride(0) * self._rotary.cos.element_size()
+        rotary = model.model.rotary
+        self._cos, self._sin = rotary.cos, rotary.sin
+        assert self._cos.stride() == self._sin.stride() and self._cos.stride(1) == 1
         self._fn = lib.pagoda_one_stream_forward
-        self._hidden = h
+        self._hidden = cfg.hidden_size
 
-    @staticmethod
-    def applies(meta: AttentionMetadata) -> bool:
+    def applies(self, meta: AttentionMetadata) -> bool:
+        """Whether the step is decodes alone, in one group in batch order: one, or (batched) any number."""
         groups = meta.decode_groups
-        return len(groups) == 1 and groups[0].whole_step and groups[0].rows.shape[0] == 1
+        return len(groups) == 1 and groups[0].whole_step and (self.batched or groups[0].rows.shape[0] == 1)
+
+    def _scratch(self, rows: int, work_floats: int) -> None:
+        """Scratch buffers for at least rows rows and a decode work area of work_floats floats, grown (to twice
+        what is asked, so that a growing batch reallocates a few times) where they hold less."""
+        if rows <= self._rows and work_floats <= self._work_floats:
+            return
+        self._rows, self._work_floats = max(rows, 2 * self._rows), max(work_floats, 2 * self._work_floats)
+        cfg, dtype, n = self._cfg, self._dtype, self._rows
+        h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+            cfg.intermediate_size
+        f32 = torch.float32
+        self._bufs_tensors = [torch.empty(n, h, dtype=dtype), torch.empty(n, h, dtype=dtype),
+                              torch.empty(n, q + 2 * kv, dtype=dtype), torch.empty(n, q, dtype=f32),
+                              torch.empty(n, q, dtype=f32), torch.empty(n, q, dtype=dtype),
+                              torch.empty(n, h, dtype=dtype), torch.empty(n, 2 * inter, dtype=dtype),
+                              torch.empty(n, inter, dtype=dtype), torch.empty(n, h, dtype=dtype),
+                              torch.empty(self._work_floats, dtype=f32),
+                              torch.empty(n, cfg.head_dim, dtype=dtype), torch.empty(n, cfg.head_dim, dtype=dtype)]
+        assert len(self._bufs_tensors) == _BUFFERS
+        self._bufs = (ctypes.c_void_p * _BUFFERS)(*[t.data_ptr() for t in self._bufs_tensors])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  op_seconds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The step's final hidden states and logits (None where the lm_head is not in the call), or None if it
-        is not one sequence's decode (or torch's thread count grew past what the work buffer was sized for): the
-        eager forward then runs it. op_seconds: float64 (len(OPS),), to which each kind of call adds its wall
-        time."""
+        is not a step this forward takes, or a position is past the rotary tables: the eager forward then runs
+        it (and raises the index error). op_seconds: float64 (len(OPS),), to which each kind of call adds its
+        wall time."""
         if not self.applies(meta):
             return None
         group = meta.decode_groups[0]
-        table, seq_len = group.block_tables.contiguous(), group.seq_lens.contiguous()
-        slot = meta.slot_mapping.contiguous()
-        ids = input_ids.contiguous()
-        assert ids.dtype == table.dtype == seq_len.dtype == slot.dtype == torch.int64
-        # The token's rotary rows by address, not by indexing the tables: each torch op costs tens of us on a
-        # cold cache, and this runs at every step. Its position (positions[0], which the eager forward indexes) is
-        # its context length less one.
-        position = meta.seq_lens[0] - 1
-        if not 0 <= position < self._rotary.cos.shape[0]:
-            return None  # the eager forward raises the index error
-        row = position * self._rotary_row_bytes
-        cos, sin = self._rotary.cos.data_ptr() + row, self._rotary.sin.data_ptr() + row
-        width = table.shape[1]
-        span_blocks, spans = decode_spans(1, width)
-        if spans > self._max_spans:
-            return None
-        out = torch.empty((1, self._hidden), dtype=self._dtype)
-        logits = None if self._lm_w is None else torch.empty((1, self._vocab), dtype=self._logits_dtype)
-        self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale, self._bufs,
-                 ids.data_ptr(), self._embed.data_ptr(), self._final_norm.data_ptr(), cos, sin,
-                 slot.data_ptr(), table.data_ptr(), seq_len.data_ptr(), width, span_blocks, out.data_ptr(),
-                 self._lm_w, None if logits is None else logits.data_ptr(), self._vocab,
-                 None if op_seconds is None else _seconds_buffer(op_seconds))
-        return out, logits
+        table, seq_lens = group.block_tables.contiguous(), group.seq_lens.contiguous()
+        slots, ids, pos = meta.slot_mapping.contiguous(), input_ids.contiguous(), positions.contiguous()
+        assert ids.dtype == pos.dtype == table.dtype == seq_lens.dtype == slots.dtype == torch.int64
+        b, width = table.shape
+        assert ids.shape == pos.shape == slots.shape == seq_lens.shape == (b,)
+        span_blocks, spans = decode_spans(b, width)
+        cfg = self._cfg
+        self._scratch(b, b * spans * cfg.num_heads * (cfg.head_dim + 2))
+        out = torch.empty((b, self._hidden), dtype=self._dtype)
+        logits = None if self._lm_w is None else torch.empty((b, self._vocab), dtype=self._logits_dtype)
+        failed = self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale,
+                          self._bufs, b, ids.data_ptr(), self._embed.data_ptr(), self._final_norm.data_ptr(),
+                          self._cos.data_ptr(), self._sin.data_ptr(), self._cos.stride(0), self._cos.shape[0],
+                          pos.data_ptr(), slots.data_ptr(), table.data_ptr(), seq_lens.data_ptr(), width, span_blocks,
+                          out.data_ptr(), self._lm_w, None if logits is None else logits.data_ptr(), self._vocab,
+                          None if op_seconds is None else _seconds_buffer(op_seconds))
+        return None if failed else (out, logits)
 
 
 def _seconds_buffer(op_seconds: torch.Tensor) -> int:
@@ -188,12 +205,10 @@ def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
     return cast("list[DecoderLayer]", list(model.model.layers))
 
 
-def _cache_elem(dtype: torch.dtype, cache_dtype: torch.dtype) -> int | None:
-    """one_stream.cpp's PAGODA_CACHE_ELEM for a model of dtype over a cache of cache_dtype, or None where it
-    has none: the cache must be of the model's dtype, or a float32 model's of bfloat16 or float16."""
-    if cache_dtype == dtype or dtype == torch.float32:
-        return _CACHE_ELEM.get(cache_dtype)
-    return None
+def _cache_written(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the loop writes a model of dtype's K and V to a cache of cache_dtype as the eager path does: the
+    cache is of the model's dtype, or a float32 model's is bfloat16 or float16 (rounded by the kernel)."""
+    return cache_dtype == dtype or (dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16))
 
 
 def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str | None:
@@ -216,7 +231,7 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str 
     if not isinstance(backend, CppAttentionBackend) or not backend.kernel_ready or backend.fallback:
         return "the attention backend is not the cpp kernel"
     cache = kv_caches[0]
-    if cache.spec.quantized or _cache_elem(dtype, cache.k.dtype) is None or not cpp_supports(cache, dtype):
+    if cache.spec.quantized or not _cache_written(dtype, cache.k.dtype) or not cpp_supports(cache, dtype):
         return "the KV cache is not one the cpp kernel reads, of the model's dtype or a float32 model's 16-bit one"
     if any(layer.self_attn.q_norm is not None for layer in layers):
         return "the model has per-head q/k norms"
@@ -238,18 +253,16 @@ def build(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> tuple[OneSt
         return None, 0.0
     start = time.perf_counter()
     try:
-        dtype = model.model.embed_tokens.weight.dtype
-        cache_elem = _cache_elem(dtype, kv_caches[0].k.dtype)
-        assert cache_elem is not None  # _unsupported checked it
-        lib = load_library(_SOURCE, {"ELEM": _ELEM[dtype], "CACHE_ELEM": cache_elem})
+        lib = load_library(_SOURCE, {"ELEM": _ELEM[model.model.embed_tokens.weight.dtype]})
     except Exception as e:  # no C++ compiler, ...
         logger.warning("could not compile the one-call one-stream forward (%s); those steps run eagerly", e)
         return None, time.perf_counter() - start
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.pagoda_one_stream_forward.argtypes = [ptr, ptr, i64, ptr, ctypes.c_float, ctypes.c_float] + [ptr] * 9 + \
-        [i64, i64, ptr, ptr, ptr, i64, ptr]
-    lib.pagoda_one_stream_forward.restype = None
+    lib.pagoda_one_stream_forward.argtypes = [ptr, ptr, i64, ptr, ctypes.c_float, ctypes.c_float, ptr, i64] + \
+        [ptr] * 5 + [i64, i64] + [ptr] * 4 + [i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.pagoda_one_stream_forward.restype = ctypes.c_int
     forward = OneStreamForward(model, kv_caches, lib)
     seconds = time.perf_counter() - start
-    logger.info("one-stream decode steps in one C++ call, ready in %.1f s", seconds)
+    logger.info("%s in one C++ call, ready in %.1f s",
+                "decode steps" if forward.batched else "one-stream decode steps", seconds)
     return forward, seconds

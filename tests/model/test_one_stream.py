@@ -1,10 +1,12 @@
-"""The one-call one-stream decode step (pagoda/model/one_stream.py) gives the eager forward's results bit for
-bit, is used for exactly the steps that are one sequence's decode, and is left out where its kernels are."""
+"""The one-call decode step (pagoda/model/one_stream.py) gives the eager forward's results bit for bit, is used for
+exactly the steps that are one sequence's decode (any number of decodes alone, for a quantized model), and is left
+out where its kernels are."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -97,14 +99,65 @@ def test_left_out_where_its_kernels_are(tiny_model: tuple[str, Path], caplog: py
     assert any(reason in r.getMessage() for r in caplog.records) or kwargs.get("fused_ops") is False
 
 
-def test_applies_to_one_decode_only() -> None:
+@pytest.mark.parametrize("dtype", ["float32+q4_1", "float32+q8_0/float32", "float32+q4_1/bfloat16"])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_batched_decode_steps_match_the_eager_forward(tiny_model: tuple[str, Path], seeded: bool, dtype: str) -> None:
+    """A quantized model's steps that are decodes alone, of any number of sequences, go through the one call and give
+    what the eager forward gives, bit for bit: sequences of different lengths decoding together, the batch shrinking
+    as they finish (max_tokens differ) and growing as a later one joins (max_num_seqs 4 of 6 requests)."""
+    arch, folder = tiny_model
+    dtype, _, kv_cache_dtype = dtype.partition("/")
+    dtype, _, quantization = dtype.partition("+")
+    llm = LLM(str(folder), dtype=dtype, attention_backend="cpp", enable_prefix_caching=False, max_num_seqs=4,
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype or "auto")
+    model = llm.engine.model
+    if arch == "qwen3":  # per-head q/k norms: not taken
+        assert model.one_stream_forward is None
+        return
+    forward = model.one_stream_forward
+    assert forward is not None and forward.batched
+    rows: list[int] = []
+    one_call = forward.__call__
+
+    def counted(input_ids: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        out = one_call(input_ids, *args)  # type: ignore[arg-type]
+        if out is not None:
+            rows.append(input_ids.shape[0])
+        return out
+
+    params = [SamplingParams(temperature=0.8 if seeded else 0.0, seed=i, max_tokens=6 + 3 * i, ignore_eos=True,
+                             logprobs=1) for i in range(len(PROMPT_LENS))]
+
+    def generate() -> list[tuple[list[int], list[dict[int, float]]]]:
+        return [(list(r.outputs[0].token_ids), list(r.outputs[0].logprobs or []))
+                for r in llm.generate(_prompts(), params, use_tqdm=False)]
+
+    model.one_stream_forward = type("Counted", (), {"__call__": staticmethod(counted)})()  # type: ignore[assignment]
+    with_it = generate()
+    model.one_stream_forward = None
+    eager = generate()
+    assert with_it == eager  # token ids and logprobs, exactly
+    assert max(rows) == 4 and 1 in rows and len(set(rows)) >= 3  # full batches, shrinking ones, a last sequence
+
+
+def test_applies_to_decode_steps_only() -> None:
+    """One decode: always; several: where the forward is batched (a quantized model's); a prompt chunk, alone or with
+    decodes: never."""
     from pagoda.layers.attention.backend import build_attention_metadata
 
-    one = build_attention_metadata([([0, 1], 20, 1)], 16)
-    two = build_attention_metadata([([0, 1], 20, 1), ([2], 5, 1)], 16)
-    prompt = build_attention_metadata([([0, 1], 0, 20)], 16)
-    assert OneStreamForward.applies(one)
-    assert not OneStreamForward.applies(two) and not OneStreamForward.applies(prompt)
+    def meta(seqs: list[tuple[list[int], int, int]]) -> object:  # as the cpp backend groups them: one decode group
+        return build_attention_metadata(seqs, 16, float("inf"))
+
+    one = meta([([0, 1], 20, 1)])
+    two = meta([([0, 1], 20, 1), ([2], 5, 1)])
+    prompt = meta([([0, 1], 0, 20)])
+    mixed = meta([([0, 1], 20, 1), ([2], 0, 5)])
+    single, batched = SimpleNamespace(batched=False), SimpleNamespace(batched=True)
+    assert OneStreamForward.applies(single, one) and OneStreamForward.applies(batched, one)  # type: ignore[arg-type]
+    assert OneStreamForward.applies(batched, two)  # type: ignore[arg-type]
+    assert not OneStreamForward.applies(single, two)  # type: ignore[arg-type]
+    for step in (prompt, mixed):
+        assert not any(OneStreamForward.applies(f, step) for f in (single, batched))  # type: ignore[arg-type]
 
 
 def test_profile_times_one_call_steps_apart(tiny_model: tuple[str, Path]) -> None:

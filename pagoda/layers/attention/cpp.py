@@ -58,7 +58,6 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
     signatures = {"pagoda_paged_decode": [ptr] * 10 + [i64] * 3 + [f32],
                   "pagoda_paged_decode_rows": [ptr, i64] + [ptr] * 9 + [i64] * 3 + [f32],
                   "pagoda_paged_prefill": [ptr] * 7 + [i64] * 2 + [ptr, f32],
-                  "pagoda_write_kv": [ptr] * 5 + [i64],
                   "pagoda_write_kv_rows": [ptr] * 4 + [i64, ptr, i64]}
     if hasattr(lib, "pagoda_write_kv_f32"):  # bfloat16 and float16 caches
         signatures["pagoda_write_kv_f32"] = [ptr] * 4 + [i64, ptr, i64]

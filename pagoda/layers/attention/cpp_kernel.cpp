@@ -754,12 +754,6 @@ static void write_rows(elem_t* k, elem_t* v, const In* k_new, const In* v_new, i
   }
 }
 
-// Contiguous rows in the storage dtype (the one-call forward's write).
-extern "C" void pagoda_write_kv(elem_t* k, elem_t* v, const elem_t* k_new, const elem_t* v_new, const int64_t* slots,
-                                int64_t T) {
-  write_rows(k, v, k_new, v_new, HKV * D, slots, T);
-}
-
 extern "C" void pagoda_write_kv_rows(elem_t* k, elem_t* v, const elem_t* k_new, const elem_t* v_new, int64_t stride,
                                      const int64_t* slots, int64_t T) {
   write_rows(k, v, k_new, v_new, stride, slots, T);
