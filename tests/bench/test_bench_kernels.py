@@ -125,6 +125,22 @@ def test_decode_attention_caches_are_allocated_as_the_engines(monkeypatch: pytes
         assert cache.k.data_ptr() % HUGE_PAGE == 0 and cache.v.data_ptr() == cache.k.data_ptr() + k_bytes
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "float16", "bfloat16", "int8"])
+def test_decode_attention_caches_are_stored_in_the_cache_dtype(kv_dtype: str) -> None:
+    """Under float32 queries a 16-bit cache is stored in 16 bits (the benchmark had built it in the queries' dtype
+    while reporting the cache's)."""
+    import torch
+
+    from pagoda.bench.decode_attention import _cache
+    from pagoda.layers.kv_quant import kv_cache_spec
+
+    spec = kv_cache_spec(kv_dtype, torch.float32, "token")
+    cache = _cache(spec, torch.float32, 8, 16, 3, 64, torch.Generator().manual_seed(0))
+    assert cache.k.dtype == cache.v.dtype == spec.storage_dtype
+    assert spec.storage_dtype == {"auto": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                                  "int8": torch.int8}[kv_dtype]
+
+
 def test_decode_attention_versus_a_git_revision(capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """--versus-rev builds the kernel from the sources at that revision (here HEAD, read through git) and
