@@ -13,7 +13,8 @@ in the cache: SDPA's path then gathers the context and masks; without, SDPA take
 --versus-rev REV adds the loop as of git revision REV (`cpp_rev`; `cpp_rev_over_cpp` > 1: the checkout's is
 faster). Calls alternate in one process (the machine's speed drifts).
 
-Prints one JSON line per dtype: milliseconds per call (median of --iters) of each side.
+Prints one JSON line per dtype (with --paged: per query and cache dtype, float32 queries over a float32 and a
+float16 cache, bfloat16 over bfloat16): milliseconds per call (median of --iters) of each side.
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ def _paged(args: argparse.Namespace) -> None:
     n, seq_len, bs = args.tokens, args.context + args.tokens, 16
     num_blocks = 2 * -(-seq_len // bs) + 64
     table = torch.randperm(num_blocks, generator=g)[: -(-seq_len // bs)]
-    for dtype in (torch.float32, torch.bfloat16):
-        cache = PagedKVCache(k_cache_layout(torch.randn(num_blocks, 3, 64, bs, generator=g).to(dtype)),
-                             torch.randn(num_blocks, bs, 3, 64, generator=g).to(dtype), KVCacheSpec(dtype))
+    # (queries, cache): a float32 model's own cache, its float16 one (what --quantization runs: auto), bfloat16's
+    for dtype, cache_dtype in ((torch.float32, torch.float32), (torch.float32, torch.float16),
+                               (torch.bfloat16, torch.bfloat16)):
+        cache = PagedKVCache(k_cache_layout(torch.randn(num_blocks, 3, 64, bs, generator=g).to(cache_dtype)),
+                             torch.randn(num_blocks, bs, 3, 64, generator=g).to(cache_dtype), KVCacheSpec(cache_dtype))
         q = torch.randn(n, 9, 64, generator=g).to(dtype)
         keys, values = cache.gather(table, dtype)
         k, v = keys.flatten(0, 1)[seq_len - n: seq_len], values.flatten(0, 1)[seq_len - n: seq_len]
@@ -85,7 +88,8 @@ def _paged(args: argparse.Namespace) -> None:
                     times[name].append(time.perf_counter() - start)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         want = sides["sdpa"]().float()
-        print(json.dumps({"dtype": str(dtype).removeprefix("torch."), "tokens": n, "context": args.context}
+        print(json.dumps({"dtype": str(dtype).removeprefix("torch."), "kv_cache": str(cache_dtype).removeprefix("torch."),
+                          "tokens": n, "context": args.context}
                          | {f"ms_{name}": round(m, 3) for name, m in ms.items()}
                          | {f"sdpa_over_{name}": round(ms["sdpa"] / m, 2) for name, m in ms.items() if name != "sdpa"}
                          | ({"cpp_rev_over_cpp": round(ms["cpp_rev"] / ms["cpp"], 3)} if "cpp_rev" in ms else {})
