@@ -88,8 +88,8 @@ def _paged(args: argparse.Namespace) -> None:
                     times[name].append(time.perf_counter() - start)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         want = sides["sdpa"]().float()
-        print(json.dumps({"dtype": str(dtype).removeprefix("torch."), "kv_cache": str(cache_dtype).removeprefix("torch."),
-                          "tokens": n, "context": args.context}
+        print(json.dumps({"dtype": str(dtype).removeprefix("torch."),
+                          "kv_cache": str(cache_dtype).removeprefix("torch."), "tokens": n, "context": args.context}
                          | {f"ms_{name}": round(m, 3) for name, m in ms.items()}
                          | {f"sdpa_over_{name}": round(ms["sdpa"] / m, 2) for name, m in ms.items() if name != "sdpa"}
                          | ({"cpp_rev_over_cpp": round(ms["cpp_rev"] / ms["cpp"], 3)} if "cpp_rev" in ms else {})

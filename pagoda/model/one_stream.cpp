@@ -1,6 +1,6 @@
-// A decode step of a bfloat16 or float32 Llama-family model, every layer in one call from Python: one sequence's
-// (any model the loop's kernels cover), or a whole decode batch's (B rows; pagoda/model/one_stream.py takes it
-// for models whose linears all run one packed Q4_1 or Q8_0 kernel, which takes B rows as it does one).
+// A decode step of B sequences of a bfloat16 or float32 Llama-family model, every layer in one call from Python
+// (pagoda/model/one_stream.py says which steps: B up to 4 where the linears take the GEMV, any B where they all
+// run one packed Q4_1 or Q8_0 kernel).
 //
 // With one token in the step, the forward pass is ~10 small kernels a layer around four GEMVs, and in eager
 // PyTorch each costs a Python call, a module dispatch and a ctypes call: ~10 ms of a ~22 ms step, while the

@@ -7,11 +7,11 @@ elementwise ops, the cpp backend's cache write and decode attention) to a loop i
 scratch buffers, so a step is one call. Its output is the eager forward's, bit for bit: same kernels, same order,
 same arguments.
 
-Which steps: one sequence's decode, for every model it is built for; and, where every linear runs one packed
-kernel (`--quantization q4_1` or `q8_0`, whose kernel takes any number of rows), every step that is decodes
-alone, any number of them. A 128-sequence q4_1 decode step spent ~19% of its main thread in Python, while the
-other OpenMP thread waited (BENCHMARKS.md, "Batched decode steps in one call"). A bfloat16 or float32 model's
-batched steps stay eager: their linears are oneDNN matmuls there, not the GEMV the loop calls.
+Which steps: those that are decodes alone, as many as the eager path gives to the kernels the loop calls: where
+every linear runs one packed kernel (`--quantization q4_1` or `q8_0`, whose kernel takes any number of rows), any
+number; a bfloat16 or float32 model's linears take the GEMV for 1-GEMV_MAX_ROWS (4) rows and oneDNN's matmuls
+beyond, so up to 4 sequences. A 128-sequence q4_1 decode step spent ~19% of its main thread in Python, while the
+other OpenMP thread waited (BENCHMARKS.md, "Batched decode steps in one call").
 
 Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 or float32 model
 whose linears have the GEMV (or, with `--quantization`, all run the same packed kernel, Q4_1 or Q8_0, which
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -39,7 +40,7 @@ from pagoda.layers.attention.cpp import CppAttentionBackend, decode_spans
 from pagoda.layers.attention.cpp import _library_for as _attention_library
 from pagoda.layers.attention.cpp import supports as cpp_supports
 from pagoda.layers.cpp_build import load_library
-from pagoda.layers.linear import GEMV_DTYPES, _gemv_library, gemv_function
+from pagoda.layers.linear import GEMV_DTYPES, GEMV_MAX_ROWS, _gemv_library, gemv_function
 from pagoda.layers.q4_linear import packed_of
 
 if TYPE_CHECKING:
@@ -76,8 +77,9 @@ class OneStreamForward:
         attention = _attention_library(kv_caches[0], cfg.num_heads)
         dtype = self._dtype = model.model.embed_tokens.weight.dtype
         quantized = packed_of(first_attn.qkv_proj)  # if it runs a packed kernel, all run that one (_unsupported)
-        # the packed kernels take B rows as they take one; the GEMV is the eager path's kernel for one row only
-        self.batched = quantized is not None
+        # The most decodes a step may have to be taken: the packed kernels take any number of rows, and are what the
+        # eager path runs; the GEMV is the eager path's kernel for 1-GEMV_MAX_ROWS rows (oneDNN's beyond).
+        self.max_rows = sys.maxsize if quantized is not None else GEMV_MAX_ROWS
         linear_fn = quantized.kernel if quantized is not None else gemv_function(_gemv_library(), dtype)
         lm_head = _lm_head(model)
         self._lm_w = lm_head[1] if lm_head is not None else None
@@ -127,9 +129,9 @@ class OneStreamForward:
         self._hidden = cfg.hidden_size
 
     def applies(self, meta: AttentionMetadata) -> bool:
-        """Whether the step is decodes alone, in one group in batch order: one, or (batched) any number."""
+        """Whether the step is decodes alone, in one group in batch order, at most max_rows of them."""
         groups = meta.decode_groups
-        return len(groups) == 1 and groups[0].whole_step and (self.batched or groups[0].rows.shape[0] == 1)
+        return len(groups) == 1 and groups[0].whole_step and groups[0].rows.shape[0] <= self.max_rows
 
     def _scratch(self, rows: int, work_floats: int) -> None:
         """Scratch buffers for at least rows rows and a decode work area of work_floats floats, grown (to twice
@@ -263,6 +265,6 @@ def build(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> tuple[OneSt
     lib.pagoda_one_stream_forward.restype = ctypes.c_int
     forward = OneStreamForward(model, kv_caches, lib)
     seconds = time.perf_counter() - start
-    logger.info("%s in one C++ call, ready in %.1f s",
-                "decode steps" if forward.batched else "one-stream decode steps", seconds)
+    logger.info("decode steps of up to %s sequences in one C++ call, ready in %.1f s",
+                "any number of" if forward.max_rows == sys.maxsize else forward.max_rows, seconds)
     return forward, seconds

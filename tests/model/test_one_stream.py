@@ -72,15 +72,31 @@ def test_matches_the_eager_forward_exactly(tiny_model: tuple[str, Path], seeded:
     assert len(calls) == len(PROMPT_LENS) * 24 and sum(calls) == len(PROMPT_LENS) * 23 + 1
 
 
-def test_declines_steps_that_are_not_one_decode(tiny_model: tuple[str, Path]) -> None:
-    """Two sequences decoding together run the eager forward, and give what each gives alone (which the
-    one-call forward computes, except for qwen3)."""
-    _, folder = tiny_model
-    llm = LLM(str(folder), dtype="bfloat16", attention_backend="cpp")
+def test_declines_more_decodes_than_the_gemv_takes(tiny_model: tuple[str, Path]) -> None:
+    """Five sequences decoding together (the GEMV takes 1-4 rows; oneDNN's matmuls more) run the eager forward, and
+    give what each gives alone (which the one-call forward computes, except for qwen3)."""
+    arch, folder = tiny_model
+    # no prefix caching: a prompt the first run cached could come back as a one-token step
+    llm = LLM(str(folder), dtype="bfloat16", attention_backend="cpp", enable_prefix_caching=False)
+    forward = llm.engine.model.one_stream_forward
+    rows: list[int] = []
+    if forward is not None:
+        one_call = forward.__call__
+
+        def counted(input_ids: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+            out = one_call(input_ids, *args)  # type: ignore[arg-type]
+            rows.append(0 if out is None else input_ids.shape[0])
+            return out
+
+        llm.engine.model.one_stream_forward = type("Counted", (), {"__call__": staticmethod(counted)})()
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    together = [o.outputs[0].token_ids for o in llm.generate(_prompts()[1:3], params, use_tqdm=False)]
-    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in _prompts()[1:3]]
+    together = [o.outputs[0].token_ids for o in llm.generate(_prompts()[1:6], params, use_tqdm=False)]
+    assert (arch == "qwen3") == (forward is None)
+    assert forward is None or (0 in rows and max(rows) <= 4)  # the 5-decode steps declined
+    rows.clear()
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in _prompts()[1:6]]
     assert together == alone
+    assert forward is None or rows.count(1) == 5 * 9  # each alone: its 9 decode steps in the one call
 
 
 @pytest.mark.parametrize("kwargs, reason", [
@@ -99,23 +115,25 @@ def test_left_out_where_its_kernels_are(tiny_model: tuple[str, Path], caplog: py
     assert any(reason in r.getMessage() for r in caplog.records) or kwargs.get("fused_ops") is False
 
 
-@pytest.mark.parametrize("dtype", ["float32+q4_1", "float32+q8_0/float32", "float32+q4_1/bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32+q4_1", "float32+q8_0/float32", "float32+q4_1/bfloat16", "bfloat16",
+                                   "float32", "float32/float16"])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_batched_decode_steps_match_the_eager_forward(tiny_model: tuple[str, Path], seeded: bool, dtype: str) -> None:
-    """A quantized model's steps that are decodes alone, of any number of sequences, go through the one call and give
-    what the eager forward gives, bit for bit: sequences of different lengths decoding together, the batch shrinking
-    as they finish (max_tokens differ) and growing as a later one joins (max_num_seqs 4 of 6 requests)."""
+    """Steps that are decodes alone, up to 4 of them (the GEMV's rows; any number for a quantized model), go through
+    the one call and give what the eager forward gives, bit for bit: sequences of different lengths decoding together,
+    the batch shrinking as they finish (max_tokens differ) and growing as a later one joins (max_num_seqs 4 of 6
+    requests)."""
     arch, folder = tiny_model
     dtype, _, kv_cache_dtype = dtype.partition("/")
     dtype, _, quantization = dtype.partition("+")
     llm = LLM(str(folder), dtype=dtype, attention_backend="cpp", enable_prefix_caching=False, max_num_seqs=4,
-              quantization=quantization, kv_cache_dtype=kv_cache_dtype or "auto")
+              quantization=quantization or "none", kv_cache_dtype=kv_cache_dtype or "auto")
     model = llm.engine.model
     if arch == "qwen3":  # per-head q/k norms: not taken
         assert model.one_stream_forward is None
         return
     forward = model.one_stream_forward
-    assert forward is not None and forward.batched
+    assert forward is not None and forward.max_rows >= 4
     rows: list[int] = []
     one_call = forward.__call__
 
@@ -141,8 +159,8 @@ def test_batched_decode_steps_match_the_eager_forward(tiny_model: tuple[str, Pat
 
 
 def test_applies_to_decode_steps_only() -> None:
-    """One decode: always; several: where the forward is batched (a quantized model's); a prompt chunk, alone or with
-    decodes: never."""
+    """Decodes alone, up to max_rows of them (1 here, as a test of the limit); a prompt chunk, alone or with decodes:
+    never."""
     from pagoda.layers.attention.backend import build_attention_metadata
 
     def meta(seqs: list[tuple[list[int], int, int]]) -> object:  # as the cpp backend groups them: one decode group
@@ -152,7 +170,7 @@ def test_applies_to_decode_steps_only() -> None:
     two = meta([([0, 1], 20, 1), ([2], 5, 1)])
     prompt = meta([([0, 1], 0, 20)])
     mixed = meta([([0, 1], 20, 1), ([2], 0, 5)])
-    single, batched = SimpleNamespace(batched=False), SimpleNamespace(batched=True)
+    single, batched = SimpleNamespace(max_rows=1), SimpleNamespace(max_rows=4)
     assert OneStreamForward.applies(single, one) and OneStreamForward.applies(batched, one)  # type: ignore[arg-type]
     assert OneStreamForward.applies(batched, two)  # type: ignore[arg-type]
     assert not OneStreamForward.applies(single, two)  # type: ignore[arg-type]
