@@ -4,7 +4,7 @@ Phases of a step (schedule, input preparation, forward, logits, sampling, schedu
 processing) are timed around their calls, and do not overlap: "logits" (the lm_head, for the rows that sample
 or score prompt tokens) is reported apart from "sampling", which then holds the sampler and its bookkeeping. Inside the
 forward pass, forward hooks time the modules by kind (attention and MLP blocks, their linear layers, norms,
-embedding). A step that one sequence's decode runs as one C++ call (pagoda/model/one_stream.py) runs no hooks:
+embedding). A decode step run as one C++ call (pagoda/model/one_stream.py says which) runs no hooks:
 its forward is "forward/one_call", and the C++ loop times each kind of call in it ("forward/one_call/qkv_proj",
 ".../attention", ...); the by-kind rows above cover the other steps only. Such a step's lm_head runs in the same
 call (".../lm_head"), so its "logits" phase only hands those logits back. Off unless asked for: the
@@ -40,7 +40,7 @@ class StepProfiler:
 
     def attach(self, model: nn.Module) -> None:
         """Time modules by kind with forward hooks (leaves timed inside their blocks too), and the model's
-        one-call one-stream forward, which runs no hooks, as forward/one_call."""
+        one-call decode forward, which runs no hooks, as forward/one_call."""
         for name, module in model.named_modules():
             kind = _kind(name, module)
             if kind is not None:

@@ -110,8 +110,9 @@ VERSUS = {
                       "leave that flag out",
     "opaque-attention": "with --compile-model, the same steps without the one-stream graph (attention as the "
                         "opaque op)",
-    "eager-one-stream": "one stream's steps in one C++ call (pagoda/model/one_stream.py) against the eager "
-                        "forward",
+    "eager-one-stream": "decode steps in one C++ call (pagoda/model/one_stream.py: one stream's; up to 4 "
+                        "sequences' of a bfloat16 or float32 model, any number under --quantization) against the "
+                        "eager forward",
     "no-prefetch": "with the cpp backend, its kernel prefetching the next blocks' K and V (as the engine does) "
                    "against not prefetching",
     "torch-elementwise": "the elementwise steps as torch ops, not the fused C++ ones (--no-fused-ops)",
@@ -180,7 +181,7 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
         model = engine.model
         one_call = model.one_stream_forward
         if one_call is None:
-            raise SystemExit("--versus eager-one-stream needs the one-call one-stream forward: a bfloat16 or "
+            raise SystemExit("--versus eager-one-stream needs the one-call decode forward: a bfloat16 or "
                              "float32 model, the cpp attention backend, the fused ops, a cache of the model's dtype "
                              "(the start-up log says why it is off)")
 

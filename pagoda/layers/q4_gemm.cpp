@@ -436,7 +436,7 @@ static Rounded round_into_scratch(const float* x, int64_t M, int64_t K, bool sum
 // A Q4_1 layer in one call: x (M, K) float32, w (N / NR, K / QK, RECORD_Q4) bytes, bias (N) float32 or null, y
 // (M, N) float32; N a multiple of NR, K of QK. One call a layer, not one to round and one to multiply with the
 // rounded rows in tensors: 1.7-2.1x faster at 1 row (BENCHMARKS.md). The GEMV's signature (gemv.cpp): the
-// one-call one-stream forward (pagoda/model/one_stream.cpp) calls its linears through one function pointer.
+// one-call decode forward (pagoda/model/one_stream.cpp) calls its linears through one function pointer.
 extern "C" void pagoda_q4_linear(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N,
                                  int64_t K) {
   const int64_t nb = K / QK;

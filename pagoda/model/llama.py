@@ -205,8 +205,8 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[PagedKVCache], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden).
 
-        Runs the compiled forward when `enable_compiled_forward()` made one, and one sequence's decode steps
-        in one C++ call when `enable_one_stream_forward()` could build it.
+        Runs the compiled forward when `enable_compiled_forward()` made one, and decode steps (those the one-call
+        forward takes: pagoda/model/one_stream.py) in one C++ call when `enable_one_stream_forward()` could build it.
         """
         self._one_call_logits = None
         if self.compiled_one_stream is not None and (inputs := one_stream_decode_inputs(meta)) is not None:
@@ -257,8 +257,9 @@ class LlamaForCausalLM(nn.Module):
         return seconds + more
 
     def enable_one_stream_forward(self, kv_caches: list[PagedKVCache]) -> float:
-        """One sequence's decode steps in one C++ call (pagoda/model/one_stream.py), where the eager path's
-        kernels allow it (after enable_fused_ops and enable_gemv); returns the seconds its build took."""
+        """Decode steps in one C++ call (pagoda/model/one_stream.py: one sequence's, or up to 4 or, quantized, any
+        number), where the eager path's kernels allow it (after enable_fused_ops and enable_gemv); returns the
+        seconds its build took."""
         self.one_stream_forward, seconds = build_one_stream_forward(self, kv_caches)
         return seconds
 

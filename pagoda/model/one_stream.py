@@ -257,7 +257,7 @@ def build(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> tuple[OneSt
     try:
         lib = load_library(_SOURCE, {"ELEM": _ELEM[model.model.embed_tokens.weight.dtype]})
     except Exception as e:  # no C++ compiler, ...
-        logger.warning("could not compile the one-call one-stream forward (%s); those steps run eagerly", e)
+        logger.warning("could not compile the one-call decode forward (%s); those steps run eagerly", e)
         return None, time.perf_counter() - start
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_one_stream_forward.argtypes = [ptr, ptr, i64, ptr, ctypes.c_float, ctypes.c_float, ptr, i64] + \
