@@ -46,7 +46,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--gather", choices=["index_select", "advanced"], default="index_select")
     p.add_argument("--no-grouping", action="store_true", help="one padded decode batch per step")
-    p.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS)
+    p.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS,
+                   help="default sdpa, as this benchmark's first figures (BENCHMARKS.md) were taken; the engine's "
+                        "default, auto, is the cpp kernel: pass cpp to time the engine as it runs")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--compile-model", action="store_true", help="torch.compile the forward pass")
     p.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
