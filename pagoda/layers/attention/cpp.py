@@ -55,12 +55,13 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
     defines |= {"PORTABLE": 1} if portable else {}
     lib = load_library(_SOURCE, defines, _FLAGS, rev)
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    signatures = {"pagoda_paged_decode": [ptr] * 10 + [i64] * 3 + [f32],
-                  "pagoda_paged_decode_rows": [ptr, i64] + [ptr] * 9 + [i64] * 3 + [f32],
+    signatures = {"pagoda_paged_decode_rows": [ptr, i64] + [ptr] * 9 + [i64] * 3 + [f32],
                   "pagoda_paged_prefill": [ptr] * 7 + [i64] * 2 + [ptr, f32],
                   "pagoda_write_kv_rows": [ptr] * 4 + [i64, ptr, i64]}
     if hasattr(lib, "pagoda_write_kv_f32"):  # bfloat16 and float16 caches
         signatures["pagoda_write_kv_f32"] = [ptr] * 4 + [i64, ptr, i64]
+    if rev is not None and hasattr(lib, "pagoda_paged_decode"):  # revisions before pagoda_paged_decode_rows
+        signatures["pagoda_paged_decode"] = [ptr] * 10 + [i64] * 3 + [f32]
     if hasattr(lib, "pagoda_paged_prefill_amx"):  # compiled where the compiler targets AMX, for bfloat16 caches
         signatures["pagoda_paged_prefill_amx"] = [ptr] * 4 + [i64] * 2 + [ptr, ptr, f32]
         lib.pagoda_amx_init.restype = ctypes.c_int
@@ -140,9 +141,11 @@ def prepared_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch
     lib = _library_for(kv_cache, hq, rev=rev)
     width = block_tables.shape[1]
     span_blocks, spans = decode_spans(b, width)
-    # float32 rows of one run each (views into the q/k/v output) are read in place, others copied out first
-    rows = q.dtype == torch.float32 and q.stride()[1:] == (d, 1) and hasattr(lib, "pagoda_paged_decode_rows")
-    qf = q if rows else q.to(torch.float32).contiguous()
+    # float32 rows of one run each (views into the q/k/v output) are read in place, others copied out first (and
+    # all of them for a revision before pagoda_paged_decode_rows, whose kernel takes contiguous rows)
+    rows = hasattr(lib, "pagoda_paged_decode_rows")
+    in_place = rows and q.dtype == torch.float32 and q.stride()[1:] == (d, 1)
+    qf = q if in_place else q.to(torch.float32).contiguous()
     bt, lens = block_tables.contiguous(), seq_lens.contiguous()
     assert bt.dtype == lens.dtype == torch.int64, (bt.dtype, lens.dtype)  # read as int64_t by the kernel
     out = torch.empty((b, hq, d), dtype=torch.float32)

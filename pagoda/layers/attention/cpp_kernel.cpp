@@ -332,8 +332,8 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
 // above or null; table: fp8 decoding table or null; block_tables (B, W) int64; seq_lens (B,) int64 (each >= 1);
 // out (B, HQ, D) float32. Sequences are cut into spans of span_blocks blocks (the caller picks it so that there are
 // enough work items for the threads); work (B, ceil(W / span_blocks), HQ, D + 2) float32 holds spans'
-// partial results. qscale = softmax scale. pagoda_paged_decode_rows: q's rows q_stride floats apart (a view into
-// the fused q/k/v projection's output, read in place instead of copied out first).
+// partial results. qscale = softmax scale. q's rows are q_stride floats apart (HQ * D, or a view into the fused
+// q/k/v projection's output, read in place instead of copied out first).
 extern "C" void pagoda_paged_decode_rows(const float* q_in, int64_t q_stride, const elem_t* k, const elem_t* v,
                                          const uint16_t* ks, const uint16_t* vs, const float* table,
                                          const int64_t* block_tables, const int64_t* seq_lens, float* out, float* work,
@@ -379,14 +379,6 @@ extern "C" void pagoda_paged_decode_rows(const float* q_in, int64_t q_stride, co
       }
     }
   }
-}
-
-extern "C" void pagoda_paged_decode(const float* q_in, const elem_t* k, const elem_t* v, const uint16_t* ks,
-                                    const uint16_t* vs, const float* table, const int64_t* block_tables,
-                                    const int64_t* seq_lens, float* out, float* work, int64_t B, int64_t W,
-                                    int64_t span_blocks, float qscale) {
-  pagoda_paged_decode_rows(q_in, HQ * D, k, v, ks, vs, table, block_tables, seq_lens, out, work, B, W, span_blocks,
-                           qscale);
 }
 
 // Query rows per work item of a prompt, which share each load of K and V. Where a row's G * ND output vectors fit
