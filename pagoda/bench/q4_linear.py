@@ -8,10 +8,14 @@ at 16-512 (BENCHMARKS.md, "Bias in the A/B tools"): smaller differences than tha
     python -m pagoda.bench.q4_linear --rows 1,4,16,128,512,2048
 
 `--layers N`: one stream's decode instead, from memory: N layers of the four shapes (N = 30: the default model's
-66 MB), called in turn at one row as a step calls them, against reading a buffer of their bytes (torch's sum: the
-bandwidth floor) and, with `--versus-rev REV`, against the kernel as of git revision REV, with a read of that
-buffer between the two kernels either way (unbiased: the kernel against itself reads 0.99-1.02x); alternated call
-sequence by call sequence, medians over --iters sequences.
+66 MB), their packed weights in one huge-page region in call order as the engine keeps them (move_to_huge_pages),
+called in turn at one row from a C++ loop as the one-call decode forward calls them (pagoda/bench/layer_calls.cpp),
+against reading a buffer of their bytes (torch's sum: the bandwidth floor), against `split_read`: the weights
+themselves read layer by layer, each thread its share of each layer as the kernel splits the tiles, with no
+arithmetic (what the calls would cost if the kernel's arithmetic were free), and, with `--versus-rev REV`, against
+the kernel as of git revision REV. A read of a 64 MiB buffer runs before each side that reads the weights (else
+it finds their end in cache; the kernel against itself reads 0.99-1.02x); alternated call sequence by call
+sequence, medians over --iters sequences.
 
     python -m pagoda.bench.q4_linear --layers 30 --versus-rev HEAD~1
 """
@@ -19,18 +23,22 @@ sequence by call sequence, medians over --iters sequences.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from pagoda.bench.common import machine_info
-from pagoda.layers.q4_linear import Q4Linear, q4_library
+from pagoda.layers.cpp_build import load_library
+from pagoda.layers.q4_linear import NR, Q4Linear, q4_library
+from pagoda.worker.host_memory import move_to_huge_pages
 
 # (in, out) of the default model's linears as Pagoda runs them
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
@@ -91,36 +99,62 @@ def main() -> None:
 def _one_stream(num_layers: int, iters: int, rev: str | None) -> dict[str, object]:
     """ms per sequence of one-row calls over num_layers layers of SHAPES (and per read of their bytes)."""
     lib = q4_library()
+    loops = load_library(Path(__file__).with_name("layer_calls.cpp"), {})
+    loops.pagoda_bench_linear_calls.restype = loops.pagoda_bench_split_read.restype = ctypes.c_double
     g = torch.Generator().manual_seed(0)
     layers = [Q4Linear(torch.randn(n, k, generator=g) * 0.05, None, lib) for _ in range(num_layers) for k, n in SHAPES]
-    nbytes = sum(layer.nbytes() for layer in layers)
-    xs = {k: torch.randn(1, k, generator=g) for k, _ in SHAPES}
-    ys = {n: torch.empty(1, n) for _, n in SHAPES}
+    weights = move_to_huge_pages(layer.w for layer in layers)
+    nbytes = sum(w.numel() for w in weights)
+    x = torch.randn(1, max(k for k, _ in SHAPES), generator=g)
+    y = torch.empty(1, max(n for _, n in SHAPES))
     buffer = torch.empty(nbytes // 4).normal_(generator=g)
+    flush = torch.empty(64 * 2**20 // 4).normal_(generator=g)
 
-    def calls(kernel: Any) -> Callable[[], None]:
-        args = [(xs[layer.in_features].data_ptr(), layer.w.data_ptr(), ys[layer.out_features].data_ptr(),
-                 layer.out_features, layer.in_features) for layer in layers]
+    def arr(kind: Any, values: list[int]) -> Any:
+        return (kind * len(values))(*values)
 
-        def run() -> None:
-            for x, w, y, n, k in args:
-                kernel(x, w, None, y, 1, n, k)
-        return run
+    ws = arr(ctypes.c_void_p, [w.data_ptr() for w in weights])
+    ns = arr(ctypes.c_int64, [layer.out_features for layer in layers])
+    ks = arr(ctypes.c_int64, [layer.in_features for layer in layers])
+    tiles = [layer.out_features // NR for layer in layers]
+    tile_bytes = arr(ctypes.c_int64, [w.numel() // t for w, t in zip(weights, tiles, strict=True)])
 
-    sides: dict[str, Callable[[], object]] = {"q4_1": calls(lib.pagoda_q4_linear), "weights_read": buffer.sum}
+    def calls(kernel: Any) -> Callable[[], float]:
+        fn = ctypes.cast(kernel, ctypes.c_void_p)
+        return lambda: loops.pagoda_bench_linear_calls(fn, ctypes.c_void_p(x.data_ptr()), ws, ns, ks,
+                                                        ctypes.c_int64(len(layers)), ctypes.c_void_p(y.data_ptr()))
+
+    def read() -> float:
+        start = time.perf_counter()
+        buffer.sum()
+        return time.perf_counter() - start
+
+    sides: dict[str, Callable[[], float]] = {
+        "q4_1": calls(lib.pagoda_q4_linear), "weights_read": read,
+        "split_read": lambda: loops.pagoda_bench_split_read(ws, arr(ctypes.c_int64, tiles), tile_bytes,
+                                                            ctypes.c_int64(len(layers)))}
     if rev is not None:
-        # Both kernels read the same weights: called back to back, the second found the end of them still in L3
-        # and came out ~1.1x faster whichever it was. A read of the buffer between them, in both directions (the
-        # buffer's second read, unreported), leaves each to start cold.
-        sides |= {"versus_rev": calls(q4_library(rev=rev).pagoda_q4_linear), "flush": buffer.sum}
-    ms = {k: v / 1e3 for k, v in _median_us(sides, iters).items() if k != "flush"}
+        sides["versus_rev"] = calls(q4_library(rev=rev).pagoda_q4_linear)
+    ms = {k: 1e3 * v for k, v in _alternate(sides, flush.sum, iters).items()}
     out: dict[str, object] = {"layers": num_layers, "weight_bytes": nbytes,
                               **{f"{k}_ms": round(v, 3) for k, v in ms.items()},
-                              "q4_1_over_read": round(ms["q4_1"] / ms["weights_read"], 3)}
+                              "q4_1_over_read": round(ms["q4_1"] / ms["weights_read"], 3),
+                              "q4_1_over_split_read": round(ms["q4_1"] / ms["split_read"], 3)}
     if rev is not None:
         out |= {"versus_rev": rev, "versus_over_q4_1": round(ms["versus_rev"] / ms["q4_1"], 3)}
     return out
 
+
+def _alternate(sides: dict[str, Callable[[], float]], flush: Callable[[], object], iters: int) -> dict[str, float]:
+    """Median seconds of each side (each returns its own), the sides alternated, flush() before each (untimed)."""
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for i in range(iters + 1):  # the first round warms up
+        for name, side in sides.items():
+            flush()
+            seconds = side()
+            if i:
+                times[name].append(seconds)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -334,31 +335,34 @@ def test_q4_linear_bench_times_both_sides_at_every_shape(capsys: pytest.CaptureF
     assert all(r["float32_us"] > 0 and r["q4_1_us"] > 0 for r in results)
 
 
-def test_q4_linear_bench_one_stream_layers_against_the_read_and_a_revision(
+def test_q4_linear_bench_one_stream_layers_against_the_reads_and_a_revision(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """--layers: one-row calls over that many layers' weights, against reading their bytes and (--versus-rev) the
-    kernel built from its source at HEAD (read through git)."""
+    """--layers: one-row calls over that many layers' weights (on huge pages, called from C++), against reading their
+    bytes in one buffer, against reading the weights themselves split as the kernel splits them, and (--versus-rev)
+    the kernel built from its source at HEAD (read through git)."""
     from pagoda.bench.q4_linear import SHAPES, main
 
     (row,) = run_module(main, ["--layers", "2", "--iters", "1", "--versus-rev", "HEAD"], capsys, monkeypatch)
     assert row["layers"] == 2 and row["weight_bytes"] == 2 * sum(k * n * 5 // 8 for k, n in SHAPES)
-    assert row["q4_1_ms"] > 0 and row["weights_read_ms"] > 0 and row["versus_rev_ms"] > 0
-    assert row["versus_rev"] == "HEAD"
+    assert row["q4_1_ms"] > 0 and row["weights_read_ms"] > 0 and row["split_read_ms"] > 0
+    assert row["versus_rev_ms"] > 0 and row["versus_rev"] == "HEAD"
+    assert row["q4_1_over_split_read"] == pytest.approx(row["q4_1_ms"] / row["split_read_ms"], rel=0.02)
 
 
-def test_q4_linear_bench_one_stream_reads_the_buffer_between_the_two_kernels(
-        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both kernels read the same weights: a read of the buffer runs between them either way (else the second finds
-    their end in cache), and the second read is not reported."""
-    from pagoda.bench import q4_linear
+def test_q4_linear_bench_alternates_the_sides_each_after_a_flush() -> None:
+    """Every side runs after a read of the flush buffer (else a side finds the end of the weights the side before it
+    read still in cache), in turn, the first round unreported; each side's own seconds are its time."""
+    from pagoda.bench.q4_linear import _alternate
 
-    orders: list[list[str]] = []
-    median_us = q4_linear._median_us
-    monkeypatch.setattr(q4_linear, "_median_us", lambda fns, iters: orders.append(list(fns)) or median_us(fns, iters))
-    (row,) = run_module(q4_linear.main, ["--layers", "1", "--iters", "1", "--versus-rev", "HEAD"], capsys,
-                        monkeypatch)
-    assert orders == [["q4_1", "weights_read", "versus_rev", "flush"]]
-    assert "flush_ms" not in row
+    events: list[str] = []
+    seconds = {"a": iter([9.0, 1.0, 3.0]), "b": iter([9.0, 2.0, 4.0])}
+
+    def side(name: str) -> Callable[[], float]:
+        return lambda: events.append(name) or next(seconds[name])
+
+    medians = _alternate({"a": side("a"), "b": side("b")}, lambda: events.append("flush"), 2)
+    assert events == ["flush", "a", "flush", "b"] * 3
+    assert medians == {"a": 2.0, "b": 3.0}
 
 
 def test_q4_linear_bench_rows_against_a_revision(capsys: pytest.CaptureFixture[str],
