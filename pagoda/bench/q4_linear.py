@@ -14,8 +14,8 @@ against reading a buffer of their bytes (torch's sum: the bandwidth floor), agai
 themselves read layer by layer, each thread its share of each layer as the kernel splits the tiles, with no
 arithmetic (what the calls would cost if the kernel's arithmetic were free), and, with `--versus-rev REV`, against
 the kernel as of git revision REV. A read of a 64 MiB buffer runs before each side that reads the weights (else
-it finds their end in cache; the kernel against itself reads 0.99-1.02x); alternated call sequence by call
-sequence, medians over --iters sequences.
+it finds their end in cache); the kernel against itself read 0.986-1.034x in four runs. Alternated call sequence by
+call sequence, medians over --iters sequences.
 
     python -m pagoda.bench.q4_linear --layers 30 --versus-rev HEAD~1
 """
@@ -118,6 +118,7 @@ def _one_stream(num_layers: int, iters: int, rev: str | None) -> dict[str, objec
     ks = arr(ctypes.c_int64, [layer.in_features for layer in layers])
     tiles = [layer.out_features // NR for layer in layers]
     tile_bytes = arr(ctypes.c_int64, [w.numel() // t for w, t in zip(weights, tiles, strict=True)])
+    tile_counts = arr(ctypes.c_int64, tiles)
 
     def calls(kernel: Any) -> Callable[[], float]:
         fn = ctypes.cast(kernel, ctypes.c_void_p)
@@ -131,8 +132,7 @@ def _one_stream(num_layers: int, iters: int, rev: str | None) -> dict[str, objec
 
     sides: dict[str, Callable[[], float]] = {
         "q4_1": calls(lib.pagoda_q4_linear), "weights_read": read,
-        "split_read": lambda: loops.pagoda_bench_split_read(ws, arr(ctypes.c_int64, tiles), tile_bytes,
-                                                            ctypes.c_int64(len(layers)))}
+        "split_read": lambda: loops.pagoda_bench_split_read(ws, tile_counts, tile_bytes, ctypes.c_int64(len(layers)))}
     if rev is not None:
         sides["versus_rev"] = calls(q4_library(rev=rev).pagoda_q4_linear)
     ms = {k: 1e3 * v for k, v in _alternate(sides, flush.sum, iters).items()}
@@ -155,6 +155,7 @@ def _alternate(sides: dict[str, Callable[[], float]], flush: Callable[[], object
             if i:
                 times[name].append(seconds)
     return {k: statistics.median(v) for k, v in times.items()}
+
 
 if __name__ == "__main__":
     main()
