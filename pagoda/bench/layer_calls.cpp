@@ -1,6 +1,6 @@
 // Loops for `python -m pagoda.bench.q4_linear --layers N` (pagoda/bench/q4_linear.py): one stream's linear
 // calls made from C++ as the one-call decode forward (pagoda/model/one_stream.cpp) makes them, with no Python
-// between calls (a ctypes call from a Python loop added ~1 us to each of a step's 120, ~6% of their time), and
+// between calls (a Python loop adds a ctypes call and its argument conversions to each of a step's 120), and
 // the same bytes read the way the kernel's threads split them, with no arithmetic: what the calls would cost if
 // the kernel were free. Each returns its own wall time in seconds. Compiled by load_library after cpp_vector.h.
 
