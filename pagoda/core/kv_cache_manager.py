@@ -25,6 +25,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Blocks a request's first allocation keeps free behind it for its later ones (BlockPool.allocate's room): its
+# expected length, at most this many blocks (1,024 tokens at the default block size), so that each admission moves
+# few queue entries.
+ROOM_BLOCKS = 64
+
+
 @dataclass
 class PrefixHit:
     blocks: list[int]  # cached blocks in the main pool, in chain order
@@ -132,11 +138,14 @@ class KVCacheManager:
         if needed + revived > self.pool.num_free_blocks:
             return False
         table = self.block_tables.setdefault(request.request_id, [])
+        first = not table  # this allocation starts the request's table (admission, or resuming after preemption)
         for block_id in hits:
             self.pool.touch(block_id)
             table.append(block_id)
         if needed:
-            table.extend(self.pool.allocate(needed))
+            # the blocks after the table's last, and room after them for the rest of the request's tokens
+            room = min(ROOM_BLOCKS, max(0, cdiv(self._expected_tokens(request), self.block_size) - len(table) - needed))
+            table.extend(self.pool.allocate(needed, after=table[-1] if table else None, room=room if first else 0))
         for i, (block_hash, slot) in enumerate(prefix.tier if prefix else []):
             block_id = table[len(hits) + i]  # fresh blocks, filled from the tier before the forward
             self.swap_in.append((slot, block_id))
@@ -146,6 +155,13 @@ class KVCacheManager:
         if prefix is not None and self.enable_caching:
             self._mark_in_flight(request, prefix.num_blocks)
         return True
+
+    @staticmethod
+    def _expected_tokens(req: Request) -> int:
+        """The most tokens the request can reach: its prompt and max_tokens, within max_total_tokens."""
+        if req.params.max_tokens is None:
+            return req.max_total_tokens
+        return min(req.max_total_tokens, req.num_prompt_tokens + req.params.max_tokens)
 
     def _mark_in_flight(self, req: Request, num_hit_blocks: int) -> None:
         """Note the prompt's full blocks this request will compute (admission only)."""
