@@ -143,9 +143,12 @@ class KVCacheManager:
             self.pool.touch(block_id)
             table.append(block_id)
         if needed:
-            # the blocks after the table's last, and room after them for the rest of the request's tokens
-            room = min(ROOM_BLOCKS, max(0, cdiv(self._expected_tokens(request), self.block_size) - len(table) - needed))
-            table.extend(self.pool.allocate(needed, after=table[-1] if table else None, room=room if first else 0))
+            # the blocks after the table's last; on the first allocation, room after them for the request's later ones
+            room = 0
+            if first:
+                later = cdiv(self._expected_tokens(request), self.block_size) - len(table) - needed
+                room = min(ROOM_BLOCKS, max(0, later))
+            table.extend(self.pool.allocate(needed, after=table[-1] if table else None, room=room))
         for i, (block_hash, slot) in enumerate(prefix.tier if prefix else []):
             block_id = table[len(hits) + i]  # fresh blocks, filled from the tier before the forward
             self.swap_in.append((slot, block_id))
