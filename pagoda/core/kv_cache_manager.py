@@ -25,9 +25,9 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Blocks a request's first allocation keeps free behind it for its later ones (BlockPool.allocate's room): its
-# expected length, at most this many blocks (1,024 tokens at the default block size), so that each admission moves
-# few queue entries.
+# Blocks each allocation of a request keeps free behind its table for its later ones (BlockPool.allocate's room):
+# as many as its expected length still needs, at most this many (1,024 tokens at the default block size), so that
+# an allocation moves few queue entries; renewed at each allocation, so a longer request keeps room ahead of it.
 ROOM_BLOCKS = 64
 
 
@@ -138,17 +138,14 @@ class KVCacheManager:
         if needed + revived > self.pool.num_free_blocks:
             return False
         table = self.block_tables.setdefault(request.request_id, [])
-        first = not table  # this allocation starts the request's table (admission, or resuming after preemption)
         for block_id in hits:
             self.pool.touch(block_id)
             table.append(block_id)
         if needed:
-            # the blocks after the table's last; on the first allocation, room after them for the request's later ones
-            room = 0
-            if first:
-                later = cdiv(self._expected_tokens(request), self.block_size) - len(table) - needed
-                room = min(ROOM_BLOCKS, max(0, later))
-            table.extend(self.pool.allocate(needed, after=table[-1] if table else None, room=room))
+            # the blocks after the table's last, and room after them for the request's later ones
+            later = cdiv(self._expected_tokens(request), self.block_size) - len(table) - needed
+            table.extend(self.pool.allocate(needed, after=table[-1] if table else None,
+                                            room=min(ROOM_BLOCKS, max(0, later))))
         for i, (block_hash, slot) in enumerate(prefix.tier if prefix else []):
             block_id = table[len(hits) + i]  # fresh blocks, filled from the tier before the forward
             self.swap_in.append((slot, block_id))

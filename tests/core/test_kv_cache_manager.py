@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from pagoda.core import kv_cache_manager
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
@@ -40,4 +43,23 @@ def test_room_behind_a_table_is_used_by_others_when_nothing_else_is_free() -> No
     _grow(kv, a, 4)  # one block, seven kept behind it
     _grow(kv, b, 24)  # six blocks: all of them from a's room
     assert kv.pool.num_free_blocks == 1
+    kv.check_invariants()
+
+
+def test_a_request_longer_than_its_room_keeps_room_ahead_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The room is renewed at each allocation: a request that outgrows its first room (here the next request's blocks
+    follow it) continues from the free queue's front and keeps room after that, so its table is two runs of blocks,
+    not a block here and there between the other request's (with the room of the first allocation only: five runs)."""
+    monkeypatch.setattr(kv_cache_manager, "ROOM_BLOCKS", 2)
+    kv = KVCacheManager(num_blocks=32, block_size=4, enable_caching=False)
+    a, b = _request("a", 4, 40), _request("b", 4, 40)
+    _grow(kv, a, 4)
+    _grow(kv, b, 4)
+    for _ in range(24):
+        _grow(kv, a, 1)
+        _grow(kv, b, 1)
+    for name in ("a", "b"):
+        table = kv.block_table(name)
+        runs = 1 + sum(1 for x, y in zip(table, table[1:], strict=False) if y != x + 1)
+        assert len(table) == 7 and runs <= 2, table
     kv.check_invariants()
