@@ -127,13 +127,13 @@ VERSUS = {
 # --versus settings that swap a piece of the eager forward (its elementwise ops, the decode kernel's prefetching, the
 # decode grouping, the attention backend). The one-call forward (pagoda/model/one_stream.py) calls the cpp kernels
 # it was built with and takes the steps it applies to on either side, so with these both sides run the eager forward.
-EAGER_ONLY = ("torch-elementwise", "no-prefetch", "length-groups")
+EAGER_ONLY = ("torch-elementwise", "no-prefetch", "length-groups", *(k for k in VERSUS if k.endswith("-attention")))
 
 
 def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     """What each round times, in order: `step` (--steps engine steps) and, with --versus, its counterpart."""
     linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
-    if args.versus in EAGER_ONLY or (args.versus or "").endswith("-attention"):
+    if args.versus in EAGER_ONLY:
         engine.model.one_stream_forward = None
 
     def steps() -> None:

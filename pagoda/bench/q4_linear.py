@@ -44,16 +44,26 @@ from pagoda.worker.host_memory import move_to_huge_pages
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
 
 
-def _median_us(fns: dict[str, Callable[[], object]], iters: int) -> dict[str, float]:
-    for fn in fns.values():
+def _timed(fn: Callable[[], object]) -> Callable[[], float]:
+    """fn, returning its wall time in seconds."""
+    def run() -> float:
+        start = time.perf_counter()
         fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) * 1e6 for k, v in times.items()}
+        return time.perf_counter() - start
+    return run
+
+
+def _alternate(sides: dict[str, Callable[[], float]], flush: Callable[[], object], iters: int) -> dict[str, float]:
+    """Median seconds of each side (each returns its own), the sides alternated, flush() before each (untimed); the
+    first round warms up and is not counted."""
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for i in range(iters + 1):  # the first round warms up
+        for name, side in sides.items():
+            flush()
+            seconds = side()
+            if i:
+                times[name].append(seconds)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
@@ -82,7 +92,8 @@ def main() -> None:
                                                       "q4_1": functools.partial(layer, x)}
             if layer_rev is not None:
                 sides["versus_rev"] = functools.partial(layer_rev, x)
-            us = _median_us(sides, args.iters)
+            us = {k: 1e6 * v for k, v in _alternate({k: _timed(f) for k, f in sides.items()}, lambda: None,
+                                                      args.iters).items()}
             macs = rows * k * n
             row: dict[str, object] = {"in": k, "out": n, "rows": rows, "float32_us": round(us["float32"], 1),
                                       "q4_1_us": round(us["q4_1"], 1),
@@ -125,13 +136,8 @@ def _one_stream(num_layers: int, iters: int, rev: str | None) -> dict[str, objec
         return lambda: loops.pagoda_bench_linear_calls(fn, ctypes.c_void_p(x.data_ptr()), ws, ns, ks,
                                                         ctypes.c_int64(len(layers)), ctypes.c_void_p(y.data_ptr()))
 
-    def read() -> float:
-        start = time.perf_counter()
-        buffer.sum()
-        return time.perf_counter() - start
-
     sides: dict[str, Callable[[], float]] = {
-        "q4_1": calls(lib.pagoda_q4_linear), "weights_read": read,
+        "q4_1": calls(lib.pagoda_q4_linear), "weights_read": _timed(buffer.sum),
         "split_read": lambda: loops.pagoda_bench_split_read(ws, tile_counts, tile_bytes, ctypes.c_int64(len(layers)))}
     if rev is not None:
         sides["versus_rev"] = calls(q4_library(rev=rev).pagoda_q4_linear)
@@ -143,18 +149,6 @@ def _one_stream(num_layers: int, iters: int, rev: str | None) -> dict[str, objec
     if rev is not None:
         out |= {"versus_rev": rev, "versus_over_q4_1": round(ms["versus_rev"] / ms["q4_1"], 3)}
     return out
-
-
-def _alternate(sides: dict[str, Callable[[], float]], flush: Callable[[], object], iters: int) -> dict[str, float]:
-    """Median seconds of each side (each returns its own), the sides alternated, flush() before each (untimed)."""
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    for i in range(iters + 1):  # the first round warms up
-        for name, side in sides.items():
-            flush()
-            seconds = side()
-            if i:
-                times[name].append(seconds)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 if __name__ == "__main__":

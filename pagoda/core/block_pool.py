@@ -12,8 +12,8 @@ each other in memory the hardware prefetcher runs on from one to the next, and t
 128-sequence cache 1.19-1.25x faster from memory than with the blocks scattered. Handing out the queue's
 front alone gave a prompt consecutive blocks but each later decode block wherever the queue stood, after
 other sequences' blocks (69% of a 128-request run's adjacent blocks consecutive; now all of them, and the
-run 1.028x faster end to end, a decode-heavy one 1.083x: BENCHMARKS.md, "How scattered the engine's
-blocks are, and keeping them consecutive").
+run 1.028x faster end to end, a decode-heavy one 1.083x, measured with the room kept on a request's first
+allocation only: BENCHMARKS.md, "How scattered the engine's blocks are, and keeping them consecutive").
 """
 
 from __future__ import annotations
