@@ -112,6 +112,9 @@ class CacheConfig:
     kv_cache_scale_granularity: str = "token"
     enable_prefix_caching: bool = True
     kv_offload_memory: int | None = None  # bytes of the second KV tier (host pool); None or 0: no tier
+    # Back every page of the cache at start-up instead of at its first write (worker/kv_cache.py): the memory is
+    # then held from the start, and no request's step pays for first touches; start-up pays instead.
+    kv_cache_prefault: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -128,6 +131,8 @@ class CacheConfig:
             _positive_int("kv_offload_memory", self.kv_offload_memory, 1 << 50)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.kv_cache_prefault, bool):
+            raise ValueError(f"kv_cache_prefault must be true or false, got {self.kv_cache_prefault!r}")
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ def test_sampling_params_defaults_and_greedy() -> None:
     (lambda: ModelConfig(dtype="int3"), "dtype"),
     (lambda: ModelConfig(max_model_len=0), "max_model_len"),
     (lambda: CacheConfig(block_size=3), "block_size"),
+    (lambda: CacheConfig(kv_cache_prefault="yes"), "kv_cache_prefault"),  # type: ignore[arg-type]
     (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (lambda: SchedulerConfig(max_num_seqs=-1), "max_num_seqs"),
     (lambda: EngineConfig.from_options(kv_cache_memory="lots"), "kv_cache_memory"),

@@ -80,7 +80,10 @@ class LLMEngine:
                              config.cache.kv_cache_scale_granularity, mc.quantization)
         max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         self.limits = EngineLimits(max_model_len, min(max_model_len, plan.num_tokens), plan)
-        caches = allocate_kv_cache(self.arch, plan, mc.torch_dtype)
+        start = time.perf_counter()
+        caches = allocate_kv_cache(self.arch, plan, mc.torch_dtype, config.cache.kv_cache_prefault)
+        if config.cache.kv_cache_prefault:
+            logger.info("KV cache pages backed in %.1f s (--kv-cache-prefault)", time.perf_counter() - start)
         self.compile_seconds = backend.warmup(caches[0], self.arch.num_heads, mc.torch_dtype, self.arch.head_dim**-0.5)
         self.attention_backend = backend.name  # after warm-up: the backend actually in use
         if mc.quantization != "none":  # before the paths below, which then leave these layers alone

@@ -13,8 +13,8 @@ from pagoda.config import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, KV_CACHE_DT
 from pagoda.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ("model", "dtype", "block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
-                "max_model_len", "enable_prefix_caching", "kv_cache_dtype", "kv_offload_memory", "attention_backend",
-                "compile_model", "prepack_weights", "fused_ops", "quantization")
+                "max_model_len", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_prefault", "kv_offload_memory",
+                "attention_backend", "compile_model", "prepack_weights", "fused_ops", "quantization")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -28,6 +28,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto = the model dtype (float16 under --quantization); float32 (a "
                         "float32 model's); float16 or bfloat16 (a float32 model's K and V rounded to 16 bits: "
                         "twice the tokens); int8 or fp8 (e4m3) with a float16 scale per (token, kv head)")
+    g.add_argument("--kv-cache-prefault", action="store_true", default=None,
+                   help="have the OS back every page of the KV cache at start-up instead of at its first write: "
+                        "the memory is held from the start and no request pays for first touches (on a VM whose "
+                        "host backs memory lazily, seconds per GiB: BENCHMARKS.md); start-up pays instead")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

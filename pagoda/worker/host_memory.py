@@ -114,6 +114,19 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
     return buf[start:start + nbytes]
 
 
+PAGE = 4096  # bytes of the smallest page on x86-64 and most arm64 kernels
+
+
+def touch_pages(tensors: Iterable[torch.Tensor]) -> None:
+    """Writes a zero into every PAGE bytes of each tensor (contiguous, zeroed: the contents stay as they were), so
+    that the kernel backs all of its pages now rather than at their first use. For a KV cache asked to
+    (`--kv-cache-prefault`): on this project's VM a page the host has not backed yet costs ~2-7 s per GiB at its
+    first write (BENCHMARKS.md), paid inside the first requests' steps unless paid here."""
+    for t in tensors:
+        assert t.is_contiguous(), "touch_pages takes contiguous tensors"
+        t.view(-1).view(torch.uint8)[::PAGE].zero_()
+
+
 def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of the tensors (contiguous, same shapes and dtypes), carved one after another, each 64-byte aligned,
     from one huge_page_zeros region. Call it once at start-up for tensors that stay; free the originals."""

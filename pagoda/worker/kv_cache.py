@@ -19,7 +19,7 @@ from pagoda.layers.attention import PagedKVCache
 from pagoda.layers.attention.paged_kv import k_cache_layout
 from pagoda.layers.kv_quant import SCALE_DTYPE, KVCacheSpec, kv_cache_spec
 from pagoda.model.llama import ArchConfig
-from pagoda.worker.host_memory import huge_page_zeros
+from pagoda.worker.host_memory import huge_page_zeros, touch_pages
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +80,26 @@ def plan_kv_cache(arch: ArchConfig, dtype: torch.dtype, block_size: int, budget_
     return KVCachePlan(per_token, per_block, block_size, num_blocks, budget_bytes, spec, scale_bytes)
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, prefault: bool) -> torch.Tensor:
     """A zeroed tensor on huge pages where the system allows (host_memory.huge_page_zeros: every decode step
-    streams through the cache), its pages handed out by the kernel as they are first written."""
+    streams through the cache), its pages handed out by the kernel as they are first written, or with prefault
+    all now (host_memory.touch_pages)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return huge_page_zeros(int(np.prod(shape)) * elem).view(dtype).view(shape)
+    buf = huge_page_zeros(int(np.prod(shape)) * elem)
+    if prefault:
+        touch_pages([buf])
+    return buf.view(dtype).view(shape)
 
 
-def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype) -> list[PagedKVCache]:
+def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype,
+                      prefault: bool = False) -> list[PagedKVCache]:
     """Per layer K and V, each (num_blocks, block_size, num_kv_heads, head_dim) in the plan's storage
     dtype, plus their scales when quantized; all zeroed. K is stored with each block's tokens innermost
     (`k_cache_layout`, for the C++ decode kernel); both are indexed the same way.
 
     Zeroed, not empty: padded decode gathers read unused slots, and garbage could hold NaNs (a zero
-    scale dequantizes to zeros too). dtype is the model's; the plan's spec holds the storage's.
+    scale dequantizes to zeros too). dtype is the model's; the plan's spec holds the storage's. prefault: every
+    page backed now (`--kv-cache-prefault`), not at its first write.
     """
     spec = plan.spec
     assert spec.quantized or spec.storage_dtype.is_floating_point, (spec, dtype)
@@ -103,10 +109,11 @@ def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype) -
     # base (--compile-model's one-stream decode) would copy the whole base on every call.
     def layer() -> PagedKVCache:
         k = k_cache_layout(_zeros((plan.num_blocks, arch.num_kv_heads, arch.head_dim, plan.block_size),
-                                  spec.storage_dtype))
-        v = _zeros(shape, spec.storage_dtype)
+                                  spec.storage_dtype, prefault))
+        v = _zeros(shape, spec.storage_dtype, prefault)
         if scale_shape is None:
             return PagedKVCache(k, v, spec)
-        return PagedKVCache(k, v, spec, _zeros(scale_shape, SCALE_DTYPE), _zeros(scale_shape, SCALE_DTYPE))
+        return PagedKVCache(k, v, spec, _zeros(scale_shape, SCALE_DTYPE, prefault),
+                            _zeros(scale_shape, SCALE_DTYPE, prefault))
 
     return [layer() for _ in range(arch.num_layers)]

@@ -29,6 +29,15 @@ def test_generate_json_in_input_order(model_dir: Path, tmp_path: Path, capsys: p
         assert len(x["token_ids"]) <= 5 and x["num_prompt_tokens"] == len(x["prompt"].encode())
 
 
+def test_kv_cache_prefault_generates_the_same_tokens(model_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    def generate(*flags: str) -> list[int]:
+        assert main(["generate", "--model", str(model_dir), "--prompt", "hello", "--max-tokens", "6",
+                     "--temperature", "0", "--json", "--kv-cache-memory", "2MiB", *flags]) == 0
+        return json.loads(capsys.readouterr().out.splitlines()[0])["token_ids"]
+
+    assert generate("--kv-cache-prefault") == generate()
+
+
 def test_generate_bad_flag_value_is_an_error_not_a_crash(model_dir: Path, capsys: pytest.CaptureFixture) -> None:
     rc = main(["generate", "--model", str(model_dir), "--prompt", "x", "--top-p", "2"])
     assert rc == 2 and "top_p" in capsys.readouterr().err

@@ -84,6 +84,29 @@ def test_huge_page_zeros_is_aligned_zeroed_and_backed_by_huge_pages() -> None:
     assert _anon_huge_kib(buf.data_ptr()) - before >= 3 * 2048
 
 
+def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(resident, all) of the 4 KiB pages t's bytes lie in (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = t.data_ptr() // host_memory.PAGE * host_memory.PAGE
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    vec = (ctypes.c_ubyte * -(-length // host_memory.PAGE))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec), len(vec)
+
+
+@thp
+def test_touch_pages_backs_every_page_and_keeps_the_zeros() -> None:
+    # a fresh mapping: no page is backed until written (what the KV cache relies on without --kv-cache-prefault)
+    buf = host_memory.huge_page_zeros(3 * host_memory.HUGE_PAGE + 5000)
+    assert _resident_pages(buf)[0] == 0
+    host_memory.touch_pages([buf[:host_memory.HUGE_PAGE]])  # only the first huge page
+    resident, pages = _resident_pages(buf)
+    assert resident == host_memory.HUGE_PAGE // host_memory.PAGE < pages
+    host_memory.touch_pages([buf])
+    assert _resident_pages(buf) == (pages, pages)
+    assert int(buf.count_nonzero()) == 0
+
+
 def test_without_huge_pages_the_buffer_is_plain_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGODA_HUGE_PAGES", "0")
     assert not host_memory.huge_pages_enabled()

@@ -13,6 +13,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.config import CacheConfig, EngineConfig
 from pagoda.entrypoints.cli import main
 from pagoda.model.llama import ArchConfig
+from pagoda.worker.host_memory import huge_pages_enabled
 from pagoda.worker.kv_cache import allocate_kv_cache, plan_kv_cache
 from tests.conftest import make_tiny_model
 
@@ -137,6 +138,21 @@ def test_allocation_matches_the_plan(kv: str, granularity: str) -> None:
                     if t is not None)
     assert allocated == plan.num_blocks * plan.bytes_per_block <= plan.budget_bytes
     assert plan.scale_bytes_per_block == (0 if kv == "auto" else allocated // plan.num_blocks - 16 * 3 * 64 * 60)
+
+
+@pytest.mark.skipif(not huge_pages_enabled(), reason="without huge pages the cache comes from numpy's calloc, "
+                    "whose pages may already be resident")
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_prefault_backs_every_page_of_the_cache(kv: str) -> None:
+    from tests.engine.test_host_memory import _resident_pages
+
+    plan = plan_kv_cache(SMOLLM2, torch.float32, 16, 8 * 2**20, kv, "token")
+    for prefault in (False, True):
+        caches = allocate_kv_cache(SMOLLM2, plan, torch.float32, prefault=prefault)
+        for t in (t for c in caches for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None):
+            resident, pages = _resident_pages(t)
+            assert resident == (pages if prefault else 0), (prefault, resident, pages)
+            assert int(t.count_nonzero()) == 0
 
 
 def test_bad_kv_cache_dtype_names_the_field(model_dir: Path) -> None:
