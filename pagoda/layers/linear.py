@@ -42,7 +42,10 @@ from pagoda.layers.q4_linear import is_quantized
 logger = logging.getLogger(__name__)
 
 # rows (tokens in the step) that use the packed weight, per weight dtype; measured, see above
-PACKED_ROWS: dict[torch.dtype, range] = {torch.float32: range(3, 97), torch.bfloat16: range(1, 1025)}
+# float32 to 512: on the AVX2 machine the packed weight was as fast as the plain one at 128 rows; on the Zen 4
+# machine (AVX-512) it was 1.16-1.17x faster at 128 rows and 1.04-1.13x at 192-512 (`bench.linear_stream --rows
+# 128,192,256,384,512`, two runs, BENCHMARKS.md): a 128-request decode step is 128 rows.
+PACKED_ROWS: dict[torch.dtype, range] = {torch.float32: range(3, 513), torch.bfloat16: range(1, 1025)}
 
 
 # Rows (tokens in the step) that bfloat16 and float32 linears give to the C++ GEMV (gemv.cpp) once enable_gemv
