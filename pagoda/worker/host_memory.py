@@ -120,7 +120,7 @@ PAGE = 4096  # bytes of the smallest page on x86-64 and most arm64 kernels
 def touch_pages(tensors: Iterable[torch.Tensor]) -> None:
     """Writes a zero into every PAGE bytes of each tensor (contiguous, zeroed: the contents stay as they were), so
     that the kernel backs all of its pages now rather than at their first use. For a KV cache asked to
-    (`--kv-cache-prefault`): on this project's VM a page the host has not backed yet costs ~2-7 s per GiB at its
+    (`--kv-cache-prefault`): on this project's VM memory the host has not backed yet costs ~2-8 s per GiB at its
     first write (BENCHMARKS.md), paid inside the first requests' steps unless paid here."""
     for t in tensors:
         assert t.is_contiguous(), "touch_pages takes contiguous tensors"
