@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -29,13 +30,18 @@ def test_generate_json_in_input_order(model_dir: Path, tmp_path: Path, capsys: p
         assert len(x["token_ids"]) <= 5 and x["num_prompt_tokens"] == len(x["prompt"].encode())
 
 
-def test_kv_cache_prefault_generates_the_same_tokens(model_dir: Path, capsys: pytest.CaptureFixture) -> None:
-    def generate(*flags: str) -> list[int]:
-        assert main(["generate", "--model", str(model_dir), "--prompt", "hello", "--max-tokens", "6",
-                     "--temperature", "0", "--json", "--kv-cache-memory", "2MiB", *flags]) == 0
-        return json.loads(capsys.readouterr().out.splitlines()[0])["token_ids"]
+def test_kv_cache_prefault_generates_the_same_tokens(model_dir: Path, capsys: pytest.CaptureFixture,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    def generate(*flags: str) -> tuple[list[int], bool]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pagoda.engine.llm_engine"):
+            assert main(["generate", "--model", str(model_dir), "--prompt", "hello", "--max-tokens", "6",
+                         "--temperature", "0", "--json", "--kv-cache-memory", "2MiB", *flags]) == 0
+        backed = any("KV cache pages backed" in r.getMessage() for r in caplog.records)
+        return json.loads(capsys.readouterr().out.splitlines()[0])["token_ids"], backed
 
-    assert generate("--kv-cache-prefault") == generate()
+    (prefaulted, backed), (lazy, not_backed) = generate("--kv-cache-prefault"), generate()
+    assert prefaulted == lazy and backed and not not_backed  # the flag reached the engine, and only when given
 
 
 def test_generate_bad_flag_value_is_an_error_not_a_crash(model_dir: Path, capsys: pytest.CaptureFixture) -> None:
