@@ -82,6 +82,13 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def max_reachable_tokens(self) -> int:
+        """The most tokens this request can reach: its prompt and max_tokens, within max_total_tokens."""
+        if self.params.max_tokens is None:
+            return self.max_total_tokens
+        return min(self.max_total_tokens, self.num_prompt_tokens + self.params.max_tokens)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 from pathlib import Path
 from typing import Any
@@ -90,3 +91,14 @@ def check_greedy_against_reference(outputs: list[Any], reference: list[tuple[lis
         assert out.token_ids == ref_tokens, f"prompt {i} ({prompt_lens[i]} tokens)"
         got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
         assert got == pytest.approx(ref_logprobs, abs=logprob_tol), f"prompt {i} logprobs"
+
+
+def resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(resident, all) of the 4 KiB pages t's bytes lie in, as mincore reports them (Linux)."""
+    page = 4096
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    vec = (ctypes.c_ubyte * -(-length // page))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec), len(vec)

@@ -143,7 +143,7 @@ class KVCacheManager:
             table.append(block_id)
         if needed:
             # the blocks after the table's last, and room after them for the request's later ones
-            later = cdiv(self._expected_tokens(request), self.block_size) - len(table) - needed
+            later = cdiv(request.max_reachable_tokens, self.block_size) - len(table) - needed
             table.extend(self.pool.allocate(needed, after=table[-1] if table else None,
                                             room=min(ROOM_BLOCKS, max(0, later))))
         for i, (block_hash, slot) in enumerate(prefix.tier if prefix else []):
@@ -155,13 +155,6 @@ class KVCacheManager:
         if prefix is not None and self.enable_caching:
             self._mark_in_flight(request, prefix.num_blocks)
         return True
-
-    @staticmethod
-    def _expected_tokens(req: Request) -> int:
-        """The most tokens the request can reach: its prompt and max_tokens, within max_total_tokens."""
-        if req.params.max_tokens is None:
-            return req.max_total_tokens
-        return min(req.max_total_tokens, req.num_prompt_tokens + req.params.max_tokens)
 
     def _mark_in_flight(self, req: Request, num_hit_blocks: int) -> None:
         """Note the prompt's full blocks this request will compute (admission only)."""

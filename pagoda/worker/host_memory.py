@@ -117,14 +117,16 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
 PAGE = 4096  # bytes of the smallest page on x86-64 and most arm64 kernels
 
 
-def touch_pages(tensors: Iterable[torch.Tensor]) -> None:
-    """Writes a zero into every PAGE bytes of each tensor (contiguous, zeroed: the contents stay as they were), so
-    that the kernel backs all of its pages now rather than at their first use. For a KV cache asked to
-    (`--kv-cache-prefault`): on this project's VM memory the host has not backed yet costs ~2-8 s per GiB at its
-    first write (BENCHMARKS.md), paid inside the first requests' steps unless paid here."""
-    for t in tensors:
-        assert t.is_contiguous(), "touch_pages takes contiguous tensors"
-        t.view(-1).view(torch.uint8)[::PAGE].zero_()
+def touch_pages(t: torch.Tensor) -> None:
+    """Writes a zero into every PAGE bytes of t (contiguous, zeroed: the contents stay as they were) and into its last
+    byte (whose page the stride misses where t starts inside a page), so that the kernel backs all of its pages now
+    rather than at their first use. For a KV cache asked to (`--kv-cache-prefault`): on this project's VM memory
+    the host has not backed yet costs ~2-8 s per GiB at its first write (BENCHMARKS.md), paid inside the first
+    requests' steps unless paid here. torch runs the strided write on its threads."""
+    assert t.is_contiguous(), "touch_pages takes a contiguous tensor"
+    b = t.view(-1).view(torch.uint8)
+    b[::PAGE].zero_()
+    b[-1:].zero_()
 
 
 def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:

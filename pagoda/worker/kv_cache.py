@@ -87,7 +87,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, prefault: bool) -> torch.
     elem = torch.empty((), dtype=dtype).element_size()
     buf = huge_page_zeros(int(np.prod(shape)) * elem)
     if prefault:
-        touch_pages([buf])
+        touch_pages(buf)
     return buf.view(dtype).view(shape)
 
 

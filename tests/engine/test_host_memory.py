@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagoda.worker import host_memory
+from tests.conftest import resident_pages
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
@@ -84,27 +85,27 @@ def test_huge_page_zeros_is_aligned_zeroed_and_backed_by_huge_pages() -> None:
     assert _anon_huge_kib(buf.data_ptr()) - before >= 3 * 2048
 
 
-def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
-    """(resident, all) of the 4 KiB pages t's bytes lie in (mincore)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    start = t.data_ptr() // host_memory.PAGE * host_memory.PAGE
-    length = t.data_ptr() + t.numel() * t.element_size() - start
-    vec = (ctypes.c_ubyte * -(-length // host_memory.PAGE))()
-    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
-    return sum(v & 1 for v in vec), len(vec)
-
-
 @thp
 def test_touch_pages_backs_every_page_and_keeps_the_zeros() -> None:
     # a fresh mapping: no page is backed until written (what the KV cache relies on without --kv-cache-prefault)
     buf = host_memory.huge_page_zeros(3 * host_memory.HUGE_PAGE + 5000)
-    assert _resident_pages(buf)[0] == 0
-    host_memory.touch_pages([buf[:host_memory.HUGE_PAGE]])  # only the first huge page
-    resident, pages = _resident_pages(buf)
+    assert resident_pages(buf)[0] == 0
+    host_memory.touch_pages(buf[:host_memory.HUGE_PAGE])  # only the first huge page
+    resident, pages = resident_pages(buf)
     assert resident == host_memory.HUGE_PAGE // host_memory.PAGE < pages
-    host_memory.touch_pages([buf])
-    assert _resident_pages(buf) == (pages, pages)
+    host_memory.touch_pages(buf)
+    assert resident_pages(buf) == (pages, pages)
     assert int(buf.count_nonzero()) == 0
+
+
+@thp
+def test_touch_pages_backs_the_last_page_of_an_unaligned_tensor() -> None:
+    # 200 bytes across the boundary of two huge pages: the 4 KiB stride alone writes into the first one only
+    hp = host_memory.HUGE_PAGE
+    part = host_memory.huge_page_zeros(2 * hp)[hp - 100:hp + 100]
+    assert resident_pages(part) == (0, 2)
+    host_memory.touch_pages(part)
+    assert resident_pages(part) == (2, 2)
 
 
 def test_without_huge_pages_the_buffer_is_plain_zeros(monkeypatch: pytest.MonkeyPatch) -> None:

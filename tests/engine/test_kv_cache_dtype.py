@@ -15,7 +15,7 @@ from pagoda.entrypoints.cli import main
 from pagoda.model.llama import ArchConfig
 from pagoda.worker.host_memory import huge_pages_enabled
 from pagoda.worker.kv_cache import allocate_kv_cache, plan_kv_cache
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, resident_pages
 
 # SmolLM2-135M's attention shape: 30 layers, 3 kv heads of 64.
 SMOLLM2 = ArchConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -144,13 +144,11 @@ def test_allocation_matches_the_plan(kv: str, granularity: str) -> None:
                     "whose pages may already be resident")
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_prefault_backs_every_page_of_the_cache(kv: str) -> None:
-    from tests.engine.test_host_memory import _resident_pages
-
     plan = plan_kv_cache(SMOLLM2, torch.float32, 16, 8 * 2**20, kv, "token")
     for prefault in (False, True):
         caches = allocate_kv_cache(SMOLLM2, plan, torch.float32, prefault=prefault)
         for t in (t for c in caches for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None):
-            resident, pages = _resident_pages(t)
+            resident, pages = resident_pages(t)
             assert resident == (pages if prefault else 0), (prefault, resident, pages)
             assert int(t.count_nonzero()) == 0
 
