@@ -32,8 +32,12 @@ _SOURCE = Path(__file__).with_name("cpp_kernel.cpp")
 _ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
 _SCALES = {None: 0, "token": 1, "block": 2}
 # Work items per thread the kernel is given at least: sequences are cut into spans of blocks until there
-# are this many items per thread (few, long sequences), so that the dynamic schedule can balance them.
-_ITEMS_PER_THREAD = 4
+# are this many items per thread (few, long sequences), so that the dynamic schedule can balance them. Each
+# span starts cold (its first K block is read before any prefetch reaches it): 2 against 4, one q4_1 stream's
+# decode steps 1.013-1.026x faster, two streams' 1.024x, three 1.00x (`bench.alternate -- pagoda.bench.decode_step
+# --num-seqs 1/2/3 --input-len 256:768 --attention-backend cpp --quantization q4_1`, BENCHMARKS.md); batches of
+# 8 or more sequences have one span each either way.
+_ITEMS_PER_THREAD = 2
 # 1: the kernel prefetches K and V one block ahead of its reads (0: not; cpp_kernel.cpp), for caches of
 # elements of at most PREFETCH_MAX_ELEMENT_BYTES. Issued in one burst at the start of a block,
 # the prefetches made 128-request decode steps 1.075x faster in bfloat16 and 1.035x with an int8 cache,
