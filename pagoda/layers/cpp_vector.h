@@ -57,6 +57,29 @@ static inline float hmax(vf x) {
   return m;
 }
 
+// The same by halving: log2(L) dependent steps of a shuffle and an operation, where hsum and hmax chain L - 1 scalar
+// ones (GCC keeps their order: float sums do not reassociate); for the kernels' critical paths (a softmax's
+// running maximum and sum). The sum's order differs from hsum's; fold_max of a vector with NaN lanes is unspecified.
+template <typename Op>
+static inline float fold(vf x, Op op) {
+#if defined(__AVX512F__)
+  x = op(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#elif defined(__AVX__)
+  x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3));
+  x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5));
+  x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6));
+#else
+  x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1));
+  x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2));
+#endif
+  return x[0];
+}
+static inline float fold_max(vf x) { return fold(x, [](vf a, vf b) { return a > b ? a : b; }); }
+static inline float fold_sum(vf x) { return fold(x, [](vf a, vf b) { return a + b; }); }
+
 // L consecutive bfloat16 (the high halves of float32s) or float16 values as float32.
 static inline vf load_bf16(const uint16_t* p) {
 #if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)

@@ -258,7 +258,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
         if (rtok < nv * L) sv[c] = lane + int32_t(c * L) < int32_t(rtok) ? sv[c] : masked;
         vmax = vmax > sv[c] ? vmax : sv[c];
       }
-      const float mx = std::max(m[rh], hmax(vmax));
+      const float mx = std::max(m[rh], fold_max(vmax));
       const float correction = m[rh] == -std::numeric_limits<float>::infinity() ? 0.0f : exp2_neg(m[rh] - mx);
       m[rh] = mx;
       vf vsum = {};
@@ -268,7 +268,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
         vsum += p;
         std::memcpy(&s[rh][c * L], &p, sizeof(p));
       }
-      l[rh] = l[rh] * correction + hsum(vsum);
+      l[rh] = l[rh] * correction + fold_sum(vsum);
       if (correction != 1.0f) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) acc[rh * D + d] *= correction;
@@ -452,19 +452,6 @@ static TileConfig config() {
   for (int i = 0; i < 8; ++i) c.rows[i] = 16, c.colsb[i] = 64;
   return c;
 }
-
-// A vector's maximum and sum by halving (four dependent steps where hmax / hsum chain fifteen): once per row
-// and step, they are on this kernel's critical path.
-template <typename Op>
-static inline float fold(vf x, Op op) {
-  x = op(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return x[0];
-}
-static inline float fold_max(vf x) { return fold(x, [](vf a, vf b) { return a > b ? a : b; }); }
-static inline float fold_sum(vf x) { return fold(x, [](vf a, vf b) { return a + b; }); }
 
 static inline __m512 vf_to_m512(vf x) {
   __m512 r;
