@@ -101,6 +101,8 @@ def _kind(name: str, module: nn.Module) -> str | None:
         return "attention"
     if cls == "MLP":
         return "mlp"
+    if cls == "GateUpSiLU":  # packed gate_up weights fused with SiLU-and-multiply
+        return "mlp_linear"
     if isinstance(module, nn.Linear):
         if name == "lm_head":
             return None  # the "logits" phase times it, outside the forward

@@ -208,3 +208,36 @@ static inline vf exp2_neg(vf x) {
 }
 
 static inline float exp2_neg(float x) { return exp2_neg<>(vf{} + x)[0]; }
+
+// 1 / d: a division is the costliest instruction here (AVX-512's takes ~16 cycles per vector); its
+// 14-bit reciprocal estimate refined by one Newton step (a fused multiply-add and a multiply) is within
+// float32 rounding, for 3 instructions.
+static inline vf reciprocal(vf d) {
+#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+  vf r;
+  const __m512 e = _mm512_rcp14_ps(reinterpret_cast<__m512&>(d));
+  std::memcpy(&r, &e, sizeof(r));
+  return r * madd(vf{} - d, r, vf{} + 2.0f);
+#else
+  return 1.0f / d;
+#endif
+}
+
+// SiLU, g * sigmoid(g), of N vectors in place, each step across all of them (exp2_neg_n says why); sigmoid through
+// e = exp(-|g|) <= 1. The elementwise ops' SiLU-and-multiply (elementwise.cpp) and the packed linears' gate_up
+// projection fused with it (q4_gemm.cpp) both run it, so their float32 results are the same bits.
+template <int N>
+static inline void silu(vf* g) {
+  vf e[N];
+#pragma GCC unroll 16
+  for (int k = 0; k < N; ++k) e[k] = (g[k] < 0.0f ? g[k] : -g[k]) * 1.4426950408889634f;  // -|g| log2(e)
+  exp2_neg_n<N>(e);
+#pragma GCC unroll 16
+  for (int k = 0; k < N; ++k) {
+    const vf a = g[k] < 0.0f ? -g[k] : g[k];
+    e[k] = a < 87.0f ? e[k] : vf{};  // e^-87 ~ 2^-126: exp2_neg's floor
+    const vf sig = (g[k] < 0.0f ? e[k] : vf{} + 1.0f) * reciprocal(1.0f + e[k]);
+    g[k] = g[k] * sig;
+  }
+}
+

@@ -126,42 +126,13 @@ extern "C" void pagoda_rotary(elem_t* q, int64_t qs, int64_t hq, elem_t* k, int6
   }
 }
 
-// out (rows, n) contiguous = silu(gate) * up; gate and up (rows, n) with row stride in_stride (both halves
-// of one gate_up projection, or two tensors of the same strides). As F.silu(gate) * up: silu(g) =
-// g * sigmoid(g) rounded to the dtype, then the product rounded. sigmoid through e = exp(-|g|) <= 1.
-// 1 / d: a division is the costliest instruction here (AVX-512's takes ~16 cycles per vector); its
-// 14-bit reciprocal estimate refined by one Newton step (a fused multiply-add and a multiply) is within
-// float32 rounding, for 3 instructions.
-static inline vf reciprocal(vf d) {
-#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
-  vf r;
-  const __m512 e = _mm512_rcp14_ps(reinterpret_cast<__m512&>(d));
-  std::memcpy(&r, &e, sizeof(r));
-  return r * madd(vf{} - d, r, vf{} + 2.0f);
-#else
-  return 1.0f / d;
-#endif
-}
-
-// silu of N vectors in place, each step across all of them (exp2_neg_n says why).
-template <int N>
-static inline void silu(vf* g) {
-  vf e[N];
-#pragma GCC unroll 16
-  for (int k = 0; k < N; ++k) e[k] = (g[k] < 0.0f ? g[k] : -g[k]) * 1.4426950408889634f;  // -|g| log2(e)
-  exp2_neg_n<N>(e);
-#pragma GCC unroll 16
-  for (int k = 0; k < N; ++k) {
-    const vf a = g[k] < 0.0f ? -g[k] : g[k];
-    e[k] = a < 87.0f ? e[k] : vf{};  // e^-87 ~ 2^-126: exp2_neg's floor
-    const vf sig = (g[k] < 0.0f ? e[k] : vf{} + 1.0f) * reciprocal(1.0f + e[k]);
-    g[k] = g[k] * sig;
-  }
-}
-
 // Vectors per step of the SiLU loop (exp2_neg_n).
 constexpr int64_t SILU_VECTORS = 4;
 
+// out (rows, n) contiguous = silu(gate) * up; gate and up (rows, n) with row stride in_stride (both halves
+// of one gate_up projection, or two tensors of the same strides). As F.silu(gate) * up: silu(g) =
+// g * sigmoid(g) rounded to the dtype, then the product rounded. sigmoid through e = exp(-|g|) <= 1
+// (silu in cpp_vector.h).
 extern "C" void pagoda_silu_mul(const elem_t* gate, const elem_t* up, int64_t in_stride, elem_t* out, int64_t rows,
                                 int64_t n) {
 #pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_MIN)

@@ -412,6 +412,38 @@ static void for_each_tile(int64_t M, int64_t N, const Tile& tile) {
   }
 }
 
+// The Llama MLP's gate_up projection fused with its SiLU-and-multiply: y (M, N / 2) = silu(gate) * up, where the
+// weights' first N / 2 output columns are the gate's and the last N / 2 the up's (N a multiple of 2 NR). Threads
+// split the gate's tiles; each computes a group of rows against gate tile t and up tile t + N / (2 NR) into two
+// small buffers (in L1) and writes their SiLU-and-multiply, so the (M, N) projection never goes to memory, nor is
+// read back by a separate pass. tile(t, m, rows, out, stride) computes rows [m, m + rows) of tile t into out.
+template <int Rows, typename Tile>
+static void for_each_tile_pair_silu_mul(int64_t M, int64_t N, float* y, const Tile& tile) {
+  const int64_t half = N / NR / 2, ys = N / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < half; ++t) {
+    alignas(64) float g[Rows * NR], u[Rows * NR];
+    const auto pair = [&](int64_t, int64_t m, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      tile(t, m, rows, g, NR);
+      tile(t + half, m, rows, u, NR);
+      constexpr int V = R * NR / L;  // vectors of the R rows' 16 columns
+      vf x[V];
+      for (int v = 0; v < V; ++v) std::memcpy(&x[v], g + v * L, sizeof(vf));
+      silu<V>(x);
+      for (int v = 0; v < V; ++v) {
+        vf up;
+        std::memcpy(&up, u + v * L, sizeof(vf));
+        const vf out = x[v] * up;
+        std::memcpy(y + (m + v * L / NR) * ys + t * NR + (v * L) % NR, &out, sizeof(vf));
+      }
+    };
+    int64_t m = 0;
+    for (; m + Rows <= M; m += Rows) pair(t, m, std::integral_constant<int, Rows>());
+    tail_rows<Rows - 1>(pair, t, m, M - m);
+  }
+}
+
 // x (M, K) rounded by quantize into the calling thread's scratch, kept between calls (thread_local: the kernels'
 // threads read it through these addresses); the blocks' sums of xq only where asked (else xsum is null).
 struct Rounded {
@@ -447,6 +479,22 @@ extern "C" void pagoda_q4_linear(const void* x, const void* w, const void* bias,
   for_each_tile<ROWS_TILE>(M, N, [&](int64_t t, int64_t m, auto rows) {
     tile_rows<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, a.sx + m * nb, K, wb + t * nb * RECORD_Q4,
                                      bf ? bf + t * NR : nullptr, yf + m * N + t * NR, N, m == 0);
+  });
+}
+
+// pagoda_q4_linear fused with the SiLU-and-multiply of its output's halves: y (M, N / 2) = silu(x w_gate^T + b_gate)
+// * (x w_up^T + b_up) (for_each_tile_pair_silu_mul), the same float32 bits as the layer and then
+// pagoda_silu_mul (elementwise.cpp, which runs the same silu from cpp_vector.h).
+extern "C" void pagoda_q4_linear_silu_mul(const void* x, const void* w, const void* bias, void* y, int64_t M,
+                                          int64_t N, int64_t K) {
+  const int64_t nb = K / QK;
+  const Rounded a = round_into_scratch(static_cast<const float*>(x), M, K);
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const auto* bf = static_cast<const float*>(bias);
+  for_each_tile_pair_silu_mul<ROWS_TILE>(M, N, static_cast<float*>(y),
+                                         [&](int64_t t, int64_t m, auto rows, float* out, int64_t stride) {
+    tile_rows<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, a.sx + m * nb, K, wb + t * nb * RECORD_Q4,
+                                     bf ? bf + t * NR : nullptr, out, stride, m == 0);
   });
 }
 

@@ -58,6 +58,9 @@ def q4_library(portable: bool = False, rev: str | None = None, no_vnni: bool = F
     lib.pagoda_q8_quantize.restype = None
     lib.pagoda_q4_linear.argtypes = [ptr] * 4 + [i64] * 3
     lib.pagoda_q4_linear.restype = None
+    if rev is None or hasattr(lib, "pagoda_q4_linear_silu_mul"):  # revisions before it lack it
+        lib.pagoda_q4_linear_silu_mul.argtypes = [ptr] * 4 + [i64] * 3
+        lib.pagoda_q4_linear_silu_mul.restype = None
     lib.pagoda_q8_linear.argtypes = [ptr] * 4 + [i64] * 3
     lib.pagoda_q8_linear.restype = None
     lib.pagoda_q4_vectorized.restype = ctypes.c_int
@@ -139,6 +142,8 @@ class PackedLinear:
     bytes (`_kernel`: both take x, w, bias, y, M, N, K)."""
 
     _kernel: str
+    # the kernel fused with the SiLU-and-multiply of the output's halves (a gate_up projection's), if the format has one
+    _silu_mul_kernel: str | None = None
 
     @staticmethod
     def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -149,21 +154,34 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.w = self._pack(weight)  # one byte tensor, as the kernel reads it
         self.kernel = getattr(lib, self._kernel)  # the ctypes function (one_stream.py calls it from C++)
+        # the gate_up form, where the halves are whole tiles
+        fusable = self._silu_mul_kernel is not None and self.out_features % (2 * NR) == 0
+        self.silu_mul_kernel = getattr(lib, self._silu_mul_kernel) if fusable else None  # type: ignore[arg-type]
         self.lib = lib
 
     def nbytes(self) -> int:
         return self.w.numel()  # bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(self.kernel, x, self.out_features)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this layer's output (..., out_features) cut in halves (gate, up), in one call: the same
+        float32 bits as the layer's output through ElementwiseOps.silu_mul, without the full output in memory."""
+        if self.silu_mul_kernel is None:
+            raise ValueError(f"{type(self).__name__} of {self.out_features} outputs has no fused SiLU-and-multiply")
+        return self._run(self.silu_mul_kernel, x, self.out_features // 2)
+
+    def _run(self, kernel: Any, x: torch.Tensor, width: int) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        y = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
+        y = torch.empty((x2.shape[0], width), dtype=torch.float32)
         if x2.shape[0]:
-            self.kernel(x2.data_ptr(), self.w.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
-                        y.data_ptr(), x2.shape[0], self.out_features, self.in_features)
-        return y.reshape(*shape[:-1], self.out_features)
+            kernel(x2.data_ptr(), self.w.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
+                   y.data_ptr(), x2.shape[0], self.out_features, self.in_features)
+        return y.reshape(*shape[:-1], width)
 
 
 class Q8Linear(PackedLinear):
@@ -180,6 +198,7 @@ class Q4Linear(PackedLinear):
     """Q4_1 weights against int8 activations."""
 
     _kernel = "pagoda_q4_linear"
+    _silu_mul_kernel = "pagoda_q4_linear_silu_mul"
 
     @staticmethod
     def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from pagoda.layers.attention import AttentionBackend, AttentionMetadata, PagedKV
 from pagoda.layers.attention.compiled import paged_decode_attention
 from pagoda.layers.elementwise import ElementwiseOps
 from pagoda.layers.layernorm import RMSNorm
+from pagoda.layers.q4_linear import PackedLinear, packed_of
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.model.compiled_forward import (
     OneStreamDecode,
@@ -138,6 +139,15 @@ class Attention(nn.Module):
         return paged_decode_attention(q, k_cache, v_cache, None, None, d.block_table, d.seq_len, self.scale)
 
 
+class GateUpSiLU(nn.Module):
+    """silu(gate) * up straight from packed gate_up weights (PackedLinear.silu_mul: one C++ call, the (T, 2I)
+    projection never written out). A module of its own, without parameters, so that `--profile` times it as the
+    MLP's linear (pagoda/profiler.py): SiLU's share moves from mlp_activation into mlp_linear."""
+
+    def forward(self, x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
+        return packed.silu_mul(x)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ArchConfig, ops: ElementwiseOps) -> None:
         super().__init__()
@@ -145,8 +155,15 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_silu = GateUpSiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = packed_of(self.gate_up_proj)
+        # Packed Q4_1 weights with the fused elementwise ops on (their SiLU is the one the fused kernel runs): one
+        # call, the same float32 bits as the two below. Under torch ops (a compiled forward) the projection and
+        # torch's SiLU, as the model is otherwise.
+        if packed is not None and packed.silu_mul_kernel is not None and self.ops.lib is not None:
+            return self.down_proj(self.gate_up_silu(x, packed))
         gate_up = self.gate_up_proj(x)
         n = self.intermediate_size
         return self.down_proj(self.ops.silu_mul(gate_up[:, :n], gate_up[:, n:]))

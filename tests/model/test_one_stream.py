@@ -4,6 +4,7 @@ out where its kernels are."""
 
 from __future__ import annotations
 
+import ctypes
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -75,6 +76,30 @@ def test_matches_the_eager_forward_exactly(tiny_model: tuple[str, Path], seeded:
     # taken for every decode step (23 per request) and the one-token prompt, declined for the other prompts
     assert len(rows) == len(PROMPT_LENS) * 24 and rows.count(1) == len(PROMPT_LENS) * 23 + 1
     assert rows.count(0) == len(PROMPT_LENS) - 1
+
+
+def test_q4_1_mlp_fuses_gate_up_with_silu_mul(tiny_model: tuple[str, Path]) -> None:
+    """Under q4_1 the eager MLP and the one-call forward take the gate_up projection fused with SiLU-and-multiply
+    (pagoda_q4_linear_silu_mul); the tokens and logprobs are the unfused path's, exactly."""
+    from pagoda.layers.q4_linear import packed_of
+
+    arch, folder = tiny_model
+    llm = LLM(str(folder), dtype="float32", attention_backend="cpp", enable_prefix_caching=False, quantization="q4_1")
+    model = llm.engine.model
+    packed = [packed_of(layer.mlp.gate_up_proj) for layer in model.model.layers]
+    assert all(p is not None and p.silu_mul_kernel is not None for p in packed)
+    if arch != "qwen3":  # the one-call forward is handed the fused kernel (the last of its functions)
+        assert model.one_stream_forward._fns[7] == ctypes.cast(packed[0].silu_mul_kernel, ctypes.c_void_p).value
+    model.one_stream_forward = None
+    calls = []
+    real = type(packed[0]).silu_mul
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(packed[0]), "silu_mul", lambda self, x: calls.append(x.shape[0]) or real(self, x))
+        fused = _generate(llm, seeded=False)
+    assert len(calls) == len(model.model.layers) * len(PROMPT_LENS) * 24  # every layer of every step
+    for p in packed:
+        p.silu_mul_kernel = None  # the MLP falls back to the projection, then the elementwise op
+    assert _generate(llm, seeded=False) == fused
 
 
 def test_declines_more_decodes_than_the_gemv_takes(tiny_model: tuple[str, Path]) -> None:
