@@ -444,6 +444,17 @@ static void for_each_tile_pair_silu_mul(int64_t M, int64_t N, float* y, const Ti
   }
 }
 
+// A layer's tiles (for_each_tile, y (M, N)) or, silu_mul, its gate and up tiles in pairs (y (M, N / 2)).
+// tile(t, m, rows, out, stride) computes rows [m, m + rows) of tile t into out.
+template <int Rows, typename Tile>
+static void for_each_tile_or_pair(int64_t M, int64_t N, float* y, bool silu_mul, const Tile& tile) {
+  if (silu_mul) {
+    for_each_tile_pair_silu_mul<Rows>(M, N, y, tile);
+  } else {
+    for_each_tile<Rows>(M, N, [&](int64_t t, int64_t m, auto rows) { tile(t, m, rows, y + m * N + t * NR, N); });
+  }
+}
+
 // x (M, K) rounded by quantize into the calling thread's scratch, kept between calls (thread_local: the kernels'
 // threads read it through these addresses); the blocks' sums of xq only where asked (else xsum is null).
 struct Rounded {
@@ -469,50 +480,58 @@ static Rounded round_into_scratch(const float* x, int64_t M, int64_t K, bool sum
 // (M, N) float32; N a multiple of NR, K of QK. One call a layer, not one to round and one to multiply with the
 // rounded rows in tensors: 1.7-2.1x faster at 1 row (BENCHMARKS.md). The GEMV's signature (gemv.cpp): the
 // one-call decode forward (pagoda/model/one_stream.cpp) calls its linears through one function pointer.
+// silu_mul: fused with the SiLU-and-multiply of the output's halves, y (M, N / 2) (for_each_tile_pair_silu_mul).
+static void q4_linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                      bool silu_mul) {
+  const int64_t nb = K / QK;
+  const Rounded a = round_into_scratch(x, M, K);
+  for_each_tile_or_pair<ROWS_TILE>(M, N, y, silu_mul, [&](int64_t t, int64_t m, auto rows, float* out, int64_t stride) {
+    tile_rows<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, a.sx + m * nb, K, w + t * nb * RECORD_Q4,
+                                     bias ? bias + t * NR : nullptr, out, stride, m == 0);
+  });
+}
+
 extern "C" void pagoda_q4_linear(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N,
                                  int64_t K) {
-  const int64_t nb = K / QK;
-  const Rounded a = round_into_scratch(static_cast<const float*>(x), M, K);
-  const auto* wb = static_cast<const uint8_t*>(w);
-  const auto* bf = static_cast<const float*>(bias);
-  auto* yf = static_cast<float*>(y);
-  for_each_tile<ROWS_TILE>(M, N, [&](int64_t t, int64_t m, auto rows) {
-    tile_rows<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, a.sx + m * nb, K, wb + t * nb * RECORD_Q4,
-                                     bf ? bf + t * NR : nullptr, yf + m * N + t * NR, N, m == 0);
-  });
+  q4_linear(static_cast<const float*>(x), static_cast<const uint8_t*>(w), static_cast<const float*>(bias),
+            static_cast<float*>(y), M, N, K, false);
 }
 
-// pagoda_q4_linear fused with the SiLU-and-multiply of its output's halves: y (M, N / 2) = silu(x w_gate^T + b_gate)
-// * (x w_up^T + b_up) (for_each_tile_pair_silu_mul), the same float32 bits as the layer and then
-// pagoda_silu_mul (elementwise.cpp, which runs the same silu from cpp_vector.h).
+// silu(x w_gate^T + b_gate) * (x w_up^T + b_up): the same float32 bits as pagoda_q4_linear and then pagoda_silu_mul
+// (elementwise.cpp, which runs the same silu from cpp_vector.h).
 extern "C" void pagoda_q4_linear_silu_mul(const void* x, const void* w, const void* bias, void* y, int64_t M,
                                           int64_t N, int64_t K) {
-  const int64_t nb = K / QK;
-  const Rounded a = round_into_scratch(static_cast<const float*>(x), M, K);
-  const auto* wb = static_cast<const uint8_t*>(w);
-  const auto* bf = static_cast<const float*>(bias);
-  for_each_tile_pair_silu_mul<ROWS_TILE>(M, N, static_cast<float*>(y),
-                                         [&](int64_t t, int64_t m, auto rows, float* out, int64_t stride) {
-    tile_rows<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, a.sx + m * nb, K, wb + t * nb * RECORD_Q4,
-                                     bf ? bf + t * NR : nullptr, out, stride, m == 0);
-  });
+  q4_linear(static_cast<const float*>(x), static_cast<const uint8_t*>(w), static_cast<const float*>(bias),
+            static_cast<float*>(y), M, N, K, true);
 }
 
-// The Q8_0 layer, as pagoda_q4_linear: w (N / NR, K / QK, RECORD_Q8) bytes.
-extern "C" void pagoda_q8_linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
-                                 int64_t K) {
+// The Q8_0 layer, as pagoda_q4_linear: w (N / NR, K / QK, RECORD_Q8) bytes; silu_mul: fused with the
+// SiLU-and-multiply of its output's halves, as pagoda_q4_linear_silu_mul.
+static void q8_linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                      bool silu_mul) {
   const int64_t nb = K / QK;
 #ifdef PAGODA_Q4_VNNI
   const Rounded a = round_into_scratch(x, M, K, true);  // with the blocks' sums of xq, the tile's correction
-  for_each_tile<ROWS_TILE>(M, N, [&](int64_t t, int64_t m, auto rows) {
+  const auto tile = [&](int64_t t, int64_t m, auto rows, float* out, int64_t stride) {
     tile_rows_q8<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, a.xsum + m * nb, K, w + t * nb * RECORD_Q8,
-                                        bias ? bias + t * NR : nullptr, y + m * N + t * NR, N, m == 0);
-  });
+                                        bias ? bias + t * NR : nullptr, out, stride, m == 0);
+  };
 #else
   const Rounded a = round_into_scratch(x, M, K);
-  for_each_tile<ROWS>(M, N, [&](int64_t t, int64_t m, auto rows) {
+  const auto tile = [&](int64_t t, int64_t m, auto rows, float* out, int64_t stride) {
     tile_rows_q8<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, K, w + t * nb * RECORD_Q8,
-                                        bias ? bias + t * NR : nullptr, y + m * N + t * NR, N, m == 0);
-  });
+                                        bias ? bias + t * NR : nullptr, out, stride, m == 0);
+  };
 #endif
+  for_each_tile_or_pair<ROWS_TILE>(M, N, y, silu_mul, tile);
+}
+
+extern "C" void pagoda_q8_linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                                 int64_t K) {
+  q8_linear(x, w, bias, y, M, N, K, false);
+}
+
+extern "C" void pagoda_q8_linear_silu_mul(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M,
+                                          int64_t N, int64_t K) {
+  q8_linear(x, w, bias, y, M, N, K, true);
 }

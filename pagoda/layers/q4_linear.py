@@ -58,9 +58,10 @@ def q4_library(portable: bool = False, rev: str | None = None, no_vnni: bool = F
     lib.pagoda_q8_quantize.restype = None
     lib.pagoda_q4_linear.argtypes = [ptr] * 4 + [i64] * 3
     lib.pagoda_q4_linear.restype = None
-    if rev is None or hasattr(lib, "pagoda_q4_linear_silu_mul"):  # revisions before it lack it
-        lib.pagoda_q4_linear_silu_mul.argtypes = [ptr] * 4 + [i64] * 3
-        lib.pagoda_q4_linear_silu_mul.restype = None
+    for name in ("pagoda_q4_linear_silu_mul", "pagoda_q8_linear_silu_mul"):
+        if rev is None or hasattr(lib, name):  # revisions before them lack them
+            getattr(lib, name).argtypes = [ptr] * 4 + [i64] * 3
+            getattr(lib, name).restype = None
     lib.pagoda_q8_linear.argtypes = [ptr] * 4 + [i64] * 3
     lib.pagoda_q8_linear.restype = None
     lib.pagoda_q4_vectorized.restype = ctypes.c_int
@@ -142,7 +143,7 @@ class PackedLinear:
     bytes (`_kernel`: both take x, w, bias, y, M, N, K)."""
 
     _kernel: str
-    # the kernel fused with the SiLU-and-multiply of the output's halves (a gate_up projection's), if the format has one
+    # the kernel fused with the SiLU-and-multiply of the output's halves (a gate_up projection's)
     _silu_mul_kernel: str | None = None
 
     @staticmethod
@@ -188,6 +189,7 @@ class Q8Linear(PackedLinear):
     """Q8_0 weights (the lm_head's, and with `--quantization q8_0` every linear's) against int8 activations."""
 
     _kernel = "pagoda_q8_linear"
+    _silu_mul_kernel = "pagoda_q8_linear_silu_mul"
 
     @staticmethod
     def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -159,9 +159,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = packed_of(self.gate_up_proj)
-        # Packed Q4_1 weights with the fused elementwise ops on (their SiLU is the one the fused kernel runs): one
-        # call, the same float32 bits as the two below. Under torch ops (a compiled forward) the projection and
-        # torch's SiLU, as the model is otherwise.
+        # Packed Q4_1 or Q8_0 weights with the fused elementwise ops on (their SiLU is the one the fused kernel
+        # runs): one call, the same float32 bits as the two below. Under torch ops (a compiled forward) the
+        # projection and torch's SiLU, as the model is otherwise.
         if packed is not None and packed.silu_mul_kernel is not None and self.ops.lib is not None:
             return self.down_proj(self.gate_up_silu(x, packed))
         gate_up = self.gate_up_proj(x)

@@ -37,7 +37,7 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
 
 // fns: gemv, add_rms_norm, rotary, silu_mul, write_kv (the cache layout's pagoda_write_kv_rows or _f32),
 // paged_decode_rows, the lm_head's linear (the GEMV, or a quantized model's Q8_0 kernel, whose signature is the
-// GEMV's), and the gate_up projection fused with silu_mul (pagoda_q4_linear_silu_mul, the GEMV's signature; writes
+// GEMV's), and the gate_up projection fused with silu_mul (pagoda_q4/q8_linear_silu_mul, the GEMV's signature; writes
 // act) or null (gemv then silu_mul), as the eager MLP runs them.
 // layers: per layer LAYER_PTRS addresses, in this order: input norm weight, qkv weight, qkv bias (or null),
 // o weight, o bias (or null), post-attention norm weight, gate_up weight, down weight, K cache, V cache.

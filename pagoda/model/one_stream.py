@@ -87,7 +87,7 @@ class OneStreamForward:
         self._vocab = model.lm_head.out_features
         # the eager path's cache write (cpp.write_kv): rows in the cache's dtype copied, float32 ones rounded
         write = attention.pagoda_write_kv_rows if kv_caches[0].k.dtype == dtype else attention.pagoda_write_kv_f32
-        # the eager MLP's gate_up projection fused with SiLU-and-multiply (packed Q4_1 weights), else None
+        # the eager MLP's gate_up projection fused with SiLU-and-multiply (packed Q4_1 or Q8_0 weights), else None
         gate_up = packed_of(first_mlp.gate_up_proj) if quantized is not None else None
         fns = [linear_fn, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
                elementwise.pagoda_silu_mul, write, attention.pagoda_paged_decode_rows,

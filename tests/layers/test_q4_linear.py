@@ -125,11 +125,12 @@ def test_vnni_and_avx2_kernels_give_the_same_outputs(layer_type: type) -> None:
         assert torch.equal(a(x), b(x))
 
 
+@pytest.mark.parametrize("layer_type", [Q4Linear, Q8Linear])
 @pytest.mark.parametrize("build", ["vnni", "avx2", "portable"])
-def test_gate_up_fused_with_silu_mul_gives_the_same_bits(build: str) -> None:
-    """pagoda_q4_linear_silu_mul: the layer's output halves (gate, up) through the fused elementwise ops' SiLU-and-
-    multiply of the same build, bit for bit, at every group of rows and tail, with and without a bias; a layer whose
-    halves are not whole tiles has no fused form."""
+def test_gate_up_fused_with_silu_mul_gives_the_same_bits(build: str, layer_type: type) -> None:
+    """pagoda_q4_linear_silu_mul and the Q8_0 one: the layer's output halves (gate, up) through the fused elementwise
+    ops' SiLU-and-multiply of the same build, bit for bit, at every group of rows and tail, with and without a bias;
+    a layer whose halves are not whole tiles has no fused form."""
     from pagoda.layers.elementwise import ElementwiseOps, _library
 
     lib = q4_linear.q4_library(portable=build == "portable", no_vnni=build == "avx2")
@@ -139,17 +140,16 @@ def test_gate_up_fused_with_silu_mul_gives_the_same_bits(build: str) -> None:
     for k, i in ((576, 1536), (64, 48)):
         w = torch.randn(2 * i, k, generator=g) * 0.1
         for bias in (None, torch.randn(2 * i, generator=g)):
-            layer = Q4Linear(w, bias, lib)
+            layer = layer_type(w, bias, lib)
             for rows in (*range(1, 10), 64):
                 x = torch.randn(rows, k, generator=g) * 3  # SiLU on both sides of 0, some saturating
                 full = layer(x)
                 assert torch.equal(layer.silu_mul(x), ops.silu_mul(full[:, :i], full[:, i:]))
     assert layer.silu_mul(torch.randn(2, 3, 64)).shape == (2, 3, 48)
-    odd = Q4Linear(torch.randn(48, 64), None, lib)  # halves of 24 columns: not whole tiles of 16
+    odd = layer_type(torch.randn(48, 64), None, lib)  # halves of 24 columns: not whole tiles of 16
     assert odd.silu_mul_kernel is None
     with pytest.raises(ValueError, match="no fused SiLU-and-multiply"):
         odd.silu_mul(torch.randn(1, 64))
-    assert Q8Linear(torch.randn(64, 64), None, lib).silu_mul_kernel is None  # Q8_0 has no fused form (yet)
 
 
 def test_leading_dimensions_and_empty_input() -> None:

@@ -78,13 +78,15 @@ def test_matches_the_eager_forward_exactly(tiny_model: tuple[str, Path], seeded:
     assert rows.count(0) == len(PROMPT_LENS) - 1
 
 
-def test_q4_1_mlp_fuses_gate_up_with_silu_mul(tiny_model: tuple[str, Path]) -> None:
-    """Under q4_1 the eager MLP and the one-call forward take the gate_up projection fused with SiLU-and-multiply
-    (pagoda_q4_linear_silu_mul); the tokens and logprobs are the unfused path's, exactly."""
+@pytest.mark.parametrize("quantization", ["q4_1", "q8_0"])
+def test_quantized_mlp_fuses_gate_up_with_silu_mul(tiny_model: tuple[str, Path], quantization: str) -> None:
+    """Under q4_1 and q8_0 the eager MLP and the one-call forward take the gate_up projection fused with
+    SiLU-and-multiply (pagoda_q4/q8_linear_silu_mul); the tokens and logprobs are the unfused path's, exactly."""
     from pagoda.layers.q4_linear import packed_of
 
     arch, folder = tiny_model
-    llm = LLM(str(folder), dtype="float32", attention_backend="cpp", enable_prefix_caching=False, quantization="q4_1")
+    llm = LLM(str(folder), dtype="float32", attention_backend="cpp", enable_prefix_caching=False,
+              quantization=quantization)
     model = llm.engine.model
     packed = [packed_of(layer.mlp.gate_up_proj) for layer in model.model.layers]
     assert all(p is not None and p.silu_mul_kernel is not None for p in packed)
