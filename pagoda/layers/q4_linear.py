@@ -155,9 +155,9 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.w = self._pack(weight)  # one byte tensor, as the kernel reads it
         self.kernel = getattr(lib, self._kernel)  # the ctypes function (one_stream.py calls it from C++)
-        # the gate_up form, where the halves are whole tiles
+        # the gate_up form, where the halves are whole tiles (and the library has it: a past revision's may not)
         fusable = self._silu_mul_kernel is not None and self.out_features % (2 * NR) == 0
-        self.silu_mul_kernel = getattr(lib, self._silu_mul_kernel) if fusable else None  # type: ignore[arg-type]
+        self.silu_mul_kernel = getattr(lib, self._silu_mul_kernel, None) if fusable else None  # type: ignore[arg-type]
         self.lib = lib
 
     def nbytes(self) -> int:
