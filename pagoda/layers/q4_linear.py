@@ -137,6 +137,15 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed.reshape(tiles, nb, NR * QK), _scale_bytes(d, tiles, nb)], dim=-1)
 
 
+# Steps of at least this many rows take a packed gate_up projection fused with SiLU-and-multiply (PackedLinear.silu_mul)
+# in the eager MLP: it saves writing the (rows, 2I) projection and reading it back, which pays where that output
+# leaves the caches (per call, at 2,048 rows of the default model 1.075x as fast as the projection and then the
+# elementwise op, at 512 1.03x). Decode-sized steps keep the two calls: at 1 and 128 rows the fused loop, which
+# alternates between the gate's and the up's weights, ran as fast or 1.01-1.05x slower in decode steps
+# (`bench.decode_step`, alternated in one process; BENCHMARKS.md), and the one-call forward does not take it.
+SILU_MUL_FUSED_MIN_ROWS = 256
+
+
 class PackedLinear:
     """A linear layer's packed weights (Q4Linear, Q8Linear) and the forward that rounds its input and multiplies,
     in one C++ call. Subclasses name how to pack (`_pack`: float weight -> bytes) and the kernel that reads the

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.layers import q4_linear
 from pagoda.layers.attention import AttentionBackend, AttentionMetadata, PagedKVCache
 from pagoda.layers.attention.compiled import paged_decode_attention
 from pagoda.layers.elementwise import ElementwiseOps
@@ -159,10 +160,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = packed_of(self.gate_up_proj)
-        # Packed Q4_1 or Q8_0 weights with the fused elementwise ops on (their SiLU is the one the fused kernel
-        # runs): one call, the same float32 bits as the two below. Under torch ops (a compiled forward) the
-        # projection and torch's SiLU, as the model is otherwise.
-        if packed is not None and packed.silu_mul_kernel is not None and self.ops.lib is not None:
+        # Prompt-sized steps on packed Q4_1 or Q8_0 weights with the fused elementwise ops on (their SiLU is the one
+        # the fused kernel runs): one call, the same float32 bits as the two below (SILU_MUL_FUSED_MIN_ROWS says
+        # where it pays). Under torch ops (a compiled forward) the projection and torch's SiLU, as the model is
+        # otherwise.
+        if (packed is not None and packed.silu_mul_kernel is not None and self.ops.lib is not None
+                and x.shape[0] >= q4_linear.SILU_MUL_FUSED_MIN_ROWS):
             return self.down_proj(self.gate_up_silu(x, packed))
         gate_up = self.gate_up_proj(x)
         n = self.intermediate_size

@@ -36,9 +36,8 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
                            float* out, float* work, int64_t B, int64_t W, int64_t span_blocks, float qscale);
 
 // fns: gemv, add_rms_norm, rotary, silu_mul, write_kv (the cache layout's pagoda_write_kv_rows or _f32),
-// paged_decode_rows, the lm_head's linear (the GEMV, or a quantized model's Q8_0 kernel, whose signature is the
-// GEMV's), and the gate_up projection fused with silu_mul (pagoda_q4/q8_linear_silu_mul, the GEMV's signature; writes
-// act) or null (gemv then silu_mul), as the eager MLP runs them.
+// paged_decode_rows, and the lm_head's linear (the GEMV, or a quantized model's Q8_0 kernel, whose signature is the
+// GEMV's).
 // layers: per layer LAYER_PTRS addresses, in this order: input norm weight, qkv weight, qkv bias (or null),
 // o weight, o bias (or null), post-attention norm weight, gate_up weight, down weight, K cache, V cache.
 // dims: hidden, q heads, KV heads, head_dim, intermediate. bufs, each for B rows: residual (hidden), h (hidden),
@@ -50,8 +49,8 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
 // lm_w, logits, V: the lm_head's weight (plain or packed), and where its B x V outputs go (the lm_head's output
 // dtype); logits null: no lm_head. ts: null, or OP_COUNT doubles to which each kind of call adds its wall time, in
 // this order: norm, qkv_proj, rotary (with gathering the rows' cos and sin), write_kv, attention (with the bfloat16
-// model's conversions of q and of the output), o_proj, gate_up_proj (with silu_mul where fused), silu_mul,
-// down_proj, lm_head (`--profile` reports them; two clock reads a call, ~20 us a step).
+// model's conversions of q and of the output), o_proj, gate_up_proj, silu_mul, down_proj, lm_head (`--profile`
+// reports them; two clock reads a call, ~20 us a step).
 // Returns 0, or 1 without computing anything where a position is past the rotary tables' max_positions rows (the
 // eager forward then raises its index error).
 constexpr int64_t LAYER_PTRS = 10;
@@ -95,7 +94,6 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
   const auto write_kv = reinterpret_cast<write_kv_fn>(fns[4]);
   const auto decode = reinterpret_cast<decode_fn>(fns[5]);
   const auto lm_head = reinterpret_cast<gemv_fn>(fns[6]);
-  const auto gate_up_silu_mul = reinterpret_cast<gemv_fn>(fns[7]);
   const int64_t H = dims[0], HQ = dims[1], HKV = dims[2], D = dims[3], I = dims[4];
   const int64_t QS = HQ * D, KVS = HKV * D, QKV = QS + 2 * KVS;
   auto* residual = static_cast<elem_t*>(bufs[0]);
@@ -148,12 +146,8 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
     });
     timed(ts, OP_O, [&] { gemv(attn, p[3], p[4], o, B, H, QS); });
     timed(ts, OP_NORM, [&] { norm(o, H, residual, p[5], h, B, H, eps); });
-    if (gate_up_silu_mul != nullptr) {  // timed as the projection
-      timed(ts, OP_GATE_UP, [&] { gate_up_silu_mul(h, p[6], nullptr, act, B, 2 * I, H); });
-    } else {
-      timed(ts, OP_GATE_UP, [&] { gemv(h, p[6], nullptr, gate_up, B, 2 * I, H); });
-      timed(ts, OP_SILU_MUL, [&] { silu_mul(gate_up, gate_up + I, 2 * I, act, B, I); });
-    }
+    timed(ts, OP_GATE_UP, [&] { gemv(h, p[6], nullptr, gate_up, B, 2 * I, H); });
+    timed(ts, OP_SILU_MUL, [&] { silu_mul(gate_up, gate_up + I, 2 * I, act, B, I); });
     timed(ts, OP_DOWN, [&] { gemv(act, p[7], nullptr, x, B, H, I); });
   }
   timed(ts, OP_NORM, [&] { norm(x, H, residual, final_norm, out, B, H, eps); });

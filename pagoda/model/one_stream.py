@@ -72,7 +72,7 @@ class OneStreamForward:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKVCache], lib: Any) -> None:
         cfg = model.config
         layers = _layers(model)
-        first_attn, first_mlp = layers[0].self_attn, layers[0].mlp
+        first_attn = layers[0].self_attn
         elementwise = model.ops.lib
         attention = _attention_library(kv_caches[0], cfg.num_heads)
         dtype = self._dtype = model.model.embed_tokens.weight.dtype
@@ -87,13 +87,10 @@ class OneStreamForward:
         self._vocab = model.lm_head.out_features
         # the eager path's cache write (cpp.write_kv): rows in the cache's dtype copied, float32 ones rounded
         write = attention.pagoda_write_kv_rows if kv_caches[0].k.dtype == dtype else attention.pagoda_write_kv_f32
-        # the eager MLP's gate_up projection fused with SiLU-and-multiply (packed Q4_1 or Q8_0 weights), else None
-        gate_up = packed_of(first_mlp.gate_up_proj) if quantized is not None else None
         fns = [linear_fn, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
                elementwise.pagoda_silu_mul, write, attention.pagoda_paged_decode_rows,
                lm_head[0] if lm_head is not None else linear_fn]
-        fused = gate_up.silu_mul_kernel if gate_up is not None else None
-        self._fns = (ctypes.c_void_p * (len(fns) + 1))(*[_address(f) for f in fns], _address(fused) if fused else None)
+        self._fns = (ctypes.c_void_p * len(fns))(*[_address(f) for f in fns])
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
