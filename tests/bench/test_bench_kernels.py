@@ -380,3 +380,17 @@ def test_q4_linear_bench_rows_against_a_revision(capsys: pytest.CaptureFixture[s
     for r in results:
         assert r["versus_rev_us"] > 0
         assert r["versus_over_q4_1"] == pytest.approx(r["versus_rev_us"] / r["q4_1_us"], rel=0.25)  # of rounded times
+
+
+def test_issue_rates_reports_each_mix_and_the_openmp_costs(capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda.bench.issue_rates import MIXES, main
+
+    (out,) = run_module(main, ["--steps", "20000", "--omp-steps", "200", "--repeats", "1"], capsys, monkeypatch)
+    assert out["omp_region_us"] > 0 and out["omp_barrier_us"] > 0
+    assert out["add_chain_ghz"] is None or out["add_chain_ghz"] > 0
+    if out["vpdpbusd_per_s"] is None:  # a CPU (or compiler target) without AVX-512 VNNI: the mixes are not built
+        return
+    assert out["vpdpbusd_per_s"] > 0 and out["fma_per_s"] > 0
+    assert set(out["cycles_per_8_vpdpbusd"]) == set(MIXES.values())
+    assert all(c > 0 for c in out["cycles_per_8_vpdpbusd"].values())
