@@ -54,7 +54,7 @@ def main() -> None:
         out["vpdpbusd_per_s"] = round(12 * args.steps / dp / 1e9, 3)
         out["fma_per_s"] = round(12 * args.steps / fma / 1e9, 3)
         # the time of one vpdpbusd at the measured rate, taken as one cycle: it issues once a cycle where the rate
-        # matches add_chain_ghz (the Zen 4 machine: 3.63-3.65 G/s against 3.50-3.59 GHz)
+        # matches add_chain_ghz (the Zen 4 machine: 3.63-3.66 G/s against 3.50-3.67 GHz)
         cycle = dp / (12 * args.steps)
         out["cycles_per_8_vpdpbusd"] = {name: round(loop(mix) / args.steps / cycle, 2) for mix, name in MIXES.items()}
     else:

@@ -139,10 +139,11 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 # Steps of at least this many rows take a packed gate_up projection fused with SiLU-and-multiply (PackedLinear.silu_mul)
 # in the eager MLP: it saves writing the (rows, 2I) projection and reading it back, which pays where that output
-# leaves the caches (per call, at 2,048 rows of the default model 1.075x as fast as the projection and then the
-# elementwise op, at 512 1.03x). Decode-sized steps keep the two calls: at 1 and 128 rows the fused loop, which
-# alternates between the gate's and the up's weights, ran as fast or 1.01-1.05x slower in decode steps
-# (`bench.decode_step`, alternated in one process; BENCHMARKS.md), and the one-call forward does not take it.
+# leaves the caches (per call, at 512-2,048 rows of the default model 1.06-1.07x as fast as the projection and then
+# the elementwise op; at 1-256 rows within the noise). Decode-sized steps keep the two calls: with the fused loop,
+# which alternates between the gate's and the up's weights, one stream's decode steps ran 1.01-1.05x slower and 128
+# sequences' 1.01x (an ad hoc `bench.decode_step --versus` switching it off, alternated in one process;
+# BENCHMARKS.md, "What bounds the Q4_1 tile"), so the one-call forward does not take it either.
 SILU_MUL_FUSED_MIN_ROWS = 256
 
 
