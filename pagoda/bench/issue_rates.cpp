@@ -7,14 +7,6 @@
 
 #include <omp.h>
 
-#include <ctime>
-
-static double seconds_now() {
-  timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return double(t.tv_sec) + double(t.tv_nsec) * 1e-9;
-}
-
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 extern "C" int pagoda_issue_rates_built() { return 1; }
 

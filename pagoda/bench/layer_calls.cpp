@@ -4,15 +4,7 @@
 // the same bytes read the way the kernel's threads split them, with no arithmetic: what the calls would cost if
 // the kernel were free. Each returns its own wall time in seconds. Compiled by load_library after cpp_vector.h.
 
-#include <ctime>
-
 using linear_fn = void (*)(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N, int64_t K);
-
-static double seconds_now() {
-  timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return double(t.tv_sec) + double(t.tv_nsec) * 1e-9;
-}
 
 // fn(x, ws[i], null, y, 1, ns[i], ks[i]) for i in [0, count): one row through each layer in turn.
 extern "C" double pagoda_bench_linear_calls(void* fn, const void* x, void* const* ws, const int64_t* ns,

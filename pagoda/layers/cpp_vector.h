@@ -1,5 +1,6 @@
 // Shared by Pagoda's C++ kernels (pagoda/layers/cpp_build.py puts it ahead of each source): a vector of
-// float32 lanes as wide as the CPU's registers, 16-bit floats loaded into it, and 2^x for x <= 0 on it.
+// float32 lanes as wide as the CPU's registers, 16-bit floats loaded into it, and 2^x for x <= 0 on it; and a clock
+// for the loops that time their own calls.
 
 #if (defined(__AVX512F__) || defined(__AVX2__)) && !defined(PAGODA_PORTABLE)
 #include <immintrin.h>
@@ -9,7 +10,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <limits>
+
+// Seconds on the monotonic clock (one_stream.cpp's `--profile` timings, the benchmarks' C++ loops).
+static inline double seconds_now() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return double(t.tv_sec) + double(t.tv_nsec) * 1e-9;
+}
 
 // L float32 lanes: one vector register, 16 under AVX-512, 8 under AVX (AVX2's CPUs), 4 (SSE) elsewhere. GCC's
 // vector extension keeps the kernels' accumulators in registers, where arrays indexed in loops would live on

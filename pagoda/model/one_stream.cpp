@@ -14,7 +14,6 @@
 // activations).
 
 #include <cstdint>
-#include <ctime>
 
 #if PAGODA_ELEM == 0
 using elem_t = float;
@@ -57,12 +56,6 @@ constexpr int64_t LAYER_PTRS = 10;
 enum OneStreamOp {
   OP_NORM, OP_QKV, OP_ROTARY, OP_WRITE_KV, OP_ATTENTION, OP_O, OP_GATE_UP, OP_SILU_MUL, OP_DOWN, OP_LM_HEAD, OP_COUNT
 };
-
-static inline double seconds_now() {
-  timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return double(t.tv_sec) + double(t.tv_nsec) * 1e-9;
-}
 
 // Runs call, adding its wall time to op_seconds[op] when op_seconds is not null.
 template <typename Call>

@@ -1,0 +1,51 @@
+"""pagoda/layers/cpp_vector.h at every vector width the kernels are built for: 16 lanes (AVX-512), 8 (AVX2) and 4
+(neither). Each width has its own shuffles, and the kernel tests only build the width this CPU's compiler targets;
+the narrower ones are built here by undefining the wider ISAs' macros."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda.layers.cpp_build import load_library
+
+SHIM = """
+extern "C" int64_t lanes() { return L; }
+// per vector of x (n of them): fold_max, hmax, fold_sum, hsum
+extern "C" void reductions(const float* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    vf v;
+    std::memcpy(&v, x + i * L, sizeof(v));
+    out[4 * i] = fold_max(v);
+    out[4 * i + 1] = hmax(v);
+    out[4 * i + 2] = fold_sum(v);
+    out[4 * i + 3] = hsum(v);
+  }
+}
+"""
+NARROWER = {8: ("-U__AVX512F__",), 4: ("-U__AVX512F__", "-U__AVX__", "-U__AVX2__", "-U__F16C__", "-U__FMA__")}
+
+
+@pytest.mark.parametrize("width", [None, 8, 4])
+def test_fold_max_and_sum_at_every_width(width: int | None, tmp_path: Path) -> None:
+    """fold_max is hmax exactly and fold_sum is hsum up to the order of the sum, at each lane of the maximum (a
+    halving step that skipped or repeated a lane would miss it), with -inf lanes as a masked softmax has them."""
+    source = tmp_path / "shim.cpp"
+    source.write_text(SHIM)
+    lib = load_library(source, {}, NARROWER.get(width, ()))  # type: ignore[arg-type]
+    lib.lanes.restype = ctypes.c_int64
+    lanes = lib.lanes()
+    assert width is None or lanes == width
+    g = torch.Generator().manual_seed(lanes)
+    x = torch.randn(3 * lanes, lanes, generator=g)
+    x[torch.arange(lanes), torch.arange(lanes)] = 10.0  # row i's maximum in lane i
+    x[lanes:2 * lanes, : lanes // 2] = float("-inf")
+    out = torch.empty(x.shape[0], 4)
+    lib.reductions(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]), ctypes.c_void_p(out.data_ptr()))
+    assert torch.equal(out[:, 0], out[:, 1]) and torch.equal(out[:, 0], x.max(dim=1).values)
+    finite = torch.isfinite(out[:, 3])
+    torch.testing.assert_close(out[finite, 2], out[finite, 3], rtol=1e-6, atol=1e-5)
+    assert torch.equal(out[~finite, 2], out[~finite, 3])  # -inf either way
