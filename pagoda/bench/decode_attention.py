@@ -35,8 +35,8 @@ from pagoda.bench.common import machine_info, parse_range
 from pagoda.config import DTYPES, KV_CACHE_DTYPES
 from pagoda.layers.attention.backend import DecodeGroup, get_attention_backend
 from pagoda.layers.attention.cpp import paged_decode, prepared_decode
-from pagoda.layers.attention.paged_kv import PagedKVCache, k_cache_layout
-from pagoda.layers.kv_quant import SCALE_DTYPE, SCALE_GRANULARITIES, KVCacheSpec, kv_cache_spec
+from pagoda.layers.attention.paged_kv import PagedKVCache, allocate_scales, k_cache_layout
+from pagoda.layers.kv_quant import SCALE_GRANULARITIES, KVCacheSpec, kv_cache_spec
 from pagoda.worker.host_memory import move_to_huge_pages
 
 
@@ -161,9 +161,7 @@ def _cache(spec: KVCacheSpec, dtype: torch.dtype, num_blocks: int, bs: int, hkv:
     # quantized as the engine writes them: one scale per (token or block, KV head)
     k_store, v_store = move_to_huge_pages([torch.empty(num_blocks, hkv, d, bs, dtype=spec.storage_dtype),
                                            torch.empty(num_blocks, bs, hkv, d, dtype=spec.storage_dtype)])
-    cache = PagedKVCache(k_cache_layout(k_store), v_store, spec,
-                         *[torch.zeros(spec.scale_shape(num_blocks, bs, hkv) or (), dtype=SCALE_DTYPE)
-                           for _ in range(2)])
+    cache = PagedKVCache(k_cache_layout(k_store), v_store, spec, *allocate_scales(spec, num_blocks, bs, hkv))
     slots = torch.arange(num_blocks * bs)
     cache.write(slots, k_cache_layout(k).reshape(-1, hkv, d).to(dtype), v.view(-1, hkv, d).to(dtype))
     return cache

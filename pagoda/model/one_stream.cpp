@@ -28,7 +28,8 @@ using rotary_fn = void (*)(void* q, int64_t qs, int64_t hq, void* k, int64_t ks,
                            const void* sin, int64_t T, int64_t d);
 using silu_mul_fn = void (*)(const void* gate, const void* up, int64_t in_stride, void* out, int64_t rows, int64_t n);
 // the cache write the eager path makes: rows of the cache's dtype copied, or float32 ones rounded to a 16-bit cache's
-using write_kv_fn = void (*)(void* k, void* v, const void* k_new, const void* v_new, int64_t stride,
+// or quantized to an int8 one's (with its scales ks, vs; null for caches without them)
+using write_kv_fn = void (*)(void* k, void* v, void* ks, void* vs, const void* k_new, const void* v_new, int64_t stride,
                              const int64_t* slots, int64_t T);
 using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, const void* v, const void* ks,
                            const void* vs, const float* table, const int64_t* block_tables, const int64_t* seq_lens,
@@ -38,7 +39,8 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
 // paged_decode_rows, and the lm_head's linear (the GEMV, or a quantized model's Q8_0 kernel, whose signature is the
 // GEMV's).
 // layers: per layer LAYER_PTRS addresses, in this order: input norm weight, qkv weight, qkv bias (or null),
-// o weight, o bias (or null), post-attention norm weight, gate_up weight, down weight, K cache, V cache.
+// o weight, o bias (or null), post-attention norm weight, gate_up weight, down weight, K cache, V cache, K scales, V
+// scales (null for caches without them).
 // dims: hidden, q heads, KV heads, head_dim, intermediate. bufs, each for B rows: residual (hidden), h (hidden),
 // qkv, q as float32, attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x (hidden),
 // all of elem_t except the two float32 ones (unused for a float32 model, whose q and output the kernel takes as
@@ -52,7 +54,7 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
 // reports them; two clock reads a call, ~20 us a step).
 // Returns 0, or 1 without computing anything where a position is past the rotary tables' max_positions rows (the
 // eager forward then raises its index error).
-constexpr int64_t LAYER_PTRS = 10;
+constexpr int64_t LAYER_PTRS = 12;
 enum OneStreamOp {
   OP_NORM, OP_QKV, OP_ROTARY, OP_WRITE_KV, OP_ATTENTION, OP_O, OP_GATE_UP, OP_SILU_MUL, OP_DOWN, OP_LM_HEAD, OP_COUNT
 };
@@ -123,16 +125,16 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
     });
     timed(ts, OP_QKV, [&] { gemv(h, p[1], p[2], qkv, B, QKV, H); });
     timed(ts, OP_ROTARY, [&] { rotary(qkv, QKV, HQ, qkv + QS, QKV, HKV, cos, sin, B, D); });
-    timed(ts, OP_WRITE_KV, [&] { write_kv(p[8], p[9], qkv + QS, qkv + QS + KVS, QKV, slots, B); });
+    timed(ts, OP_WRITE_KV, [&] { write_kv(p[8], p[9], p[10], p[11], qkv + QS, qkv + QS + KVS, QKV, slots, B); });
     timed(ts, OP_ATTENTION, [&] {
 #if PAGODA_ELEM == 0
-      decode(qkv, QKV, p[8], p[9], nullptr, nullptr, nullptr, block_tables, seq_lens, static_cast<float*>(attn), work,
+      decode(qkv, QKV, p[8], p[9], p[10], p[11], nullptr, block_tables, seq_lens, static_cast<float*>(attn), work,
              B, W, span_blocks, scale);
 #else
       for (int64_t b = 0; b < B; ++b) {
         for (int64_t i = 0; i < QS; ++i) qf[b * QS + i] = bf16_to_f(qkv[b * QKV + i]);
       }
-      decode(qf, QS, p[8], p[9], nullptr, nullptr, nullptr, block_tables, seq_lens, attn_f, work, B, W, span_blocks,
+      decode(qf, QS, p[8], p[9], p[10], p[11], nullptr, block_tables, seq_lens, attn_f, work, B, W, span_blocks,
              scale);
       for (int64_t i = 0; i < B * QS; ++i) attn[i] = f_to_bf16(attn_f[i]);
 #endif

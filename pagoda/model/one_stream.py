@@ -16,8 +16,9 @@ other OpenMP thread waited (BENCHMARKS.md, "Batched decode steps in one call").
 Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 or float32 model
 whose linears have the GEMV (or, with `--quantization`, all run the same packed kernel, Q4_1 or Q8_0, which
 has the GEMV's signature), the fused elementwise ops, the cpp attention backend's kernel for a cache of the
-model's dtype (or, under a float32 model, of bfloat16 or float16: K and V are rounded as the eager path's
-write rounds them; not quantized), and no per-head q/k norm (Qwen3). Otherwise the model keeps its eager forward
+model's dtype (or, under a float32 model, of bfloat16 or float16, or int8 with a scale per token: K and V are
+rounded or quantized as the eager path's write does it; not fp8, not per-block scales), and no per-head q/k norm
+(Qwen3). Otherwise the model keeps its eager forward
 (logged).
 `--compile-model` has its own one-stream graph instead.
 """
@@ -36,7 +37,7 @@ from torch import nn
 
 from pagoda.layers.attention import PagedKVCache
 from pagoda.layers.attention.backend import AttentionMetadata
-from pagoda.layers.attention.cpp import CppAttentionBackend, decode_spans
+from pagoda.layers.attention.cpp import CppAttentionBackend, decode_spans, writes_in_kernel
 from pagoda.layers.attention.cpp import _library_for as _attention_library
 from pagoda.layers.attention.cpp import supports as cpp_supports
 from pagoda.layers.cpp_build import load_library
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("one_stream.cpp")
-_LAYER_PTRS = 10  # as in one_stream.cpp
+_LAYER_PTRS = 12  # as in one_stream.cpp
 # The kinds of call the forward can time (one_stream.cpp's OneStreamOp, in its order): `--profile` reports each
 # as forward/one_call/<kind>.
 OPS = ("norm", "qkv_proj", "rotary", "write_kv", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj",
@@ -85,7 +86,8 @@ class OneStreamForward:
         self._lm_w = lm_head[1] if lm_head is not None else None
         self._logits_dtype = lm_head[2] if lm_head is not None else dtype
         self._vocab = model.lm_head.out_features
-        # the eager path's cache write (cpp.write_kv): rows in the cache's dtype copied, float32 ones rounded
+        # the eager path's cache write (cpp.write_kv): rows in the cache's dtype copied, float32 ones rounded (or
+        # quantized)
         write = attention.pagoda_write_kv_rows if kv_caches[0].k.dtype == dtype else attention.pagoda_write_kv_f32
         fns = [linear_fn, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
                elementwise.pagoda_silu_mul, write, attention.pagoda_paged_decode_rows,
@@ -108,7 +110,8 @@ class OneStreamForward:
             attn, mlp = layer.self_attn, layer.mlp
             ptrs += [ptr(layer.input_layernorm.weight), weight(attn.qkv_proj), bias(attn.qkv_proj),
                      weight(attn.o_proj), bias(attn.o_proj), ptr(layer.post_attention_layernorm.weight),
-                     weight(mlp.gate_up_proj), weight(mlp.down_proj), ptr(cache.k), ptr(cache.v)]
+                     weight(mlp.gate_up_proj), weight(mlp.down_proj), ptr(cache.k), ptr(cache.v), ptr(cache.k_scale),
+                     ptr(cache.v_scale)]
         assert len(ptrs) == _LAYER_PTRS * len(layers)
         self._layers = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self._num_layers = len(layers)
@@ -207,10 +210,13 @@ def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
     return cast("list[DecoderLayer]", list(model.model.layers))
 
 
-def _cache_written(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Whether the loop writes a model of dtype's K and V to a cache of cache_dtype as the eager path does: the
-    cache is of the model's dtype, or a float32 model's is bfloat16 or float16 (rounded by the kernel)."""
-    return cache_dtype == dtype or (dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16))
+def _cache_written(dtype: torch.dtype, cache: PagedKVCache) -> bool:
+    """Whether the loop writes a model of dtype's K and V to the cache as the eager path does: the cache is of the
+    model's dtype, or a float32 model's is bfloat16 or float16 (rounded by the kernel) or int8 with a scale per
+    token (quantized by the kernel; a bfloat16 model's rows would need converting first)."""
+    if cache.spec.quantized:
+        return dtype == torch.float32 and writes_in_kernel(cache)
+    return cache.k.dtype == dtype or (dtype == torch.float32 and cache.k.dtype in (torch.bfloat16, torch.float16))
 
 
 def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str | None:
@@ -233,8 +239,9 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str 
     if not isinstance(backend, CppAttentionBackend) or not backend.kernel_ready or backend.fallback:
         return "the attention backend is not the cpp kernel"
     cache = kv_caches[0]
-    if cache.spec.quantized or not _cache_written(dtype, cache.k.dtype) or not cpp_supports(cache, dtype):
-        return "the KV cache is not one the cpp kernel reads, of the model's dtype or a float32 model's 16-bit one"
+    if not _cache_written(dtype, cache) or not cpp_supports(cache, dtype):
+        return ("the KV cache is not one the cpp kernel reads, of the model's dtype or a float32 model's 16-bit or "
+                "int8 (per token) one")
     if any(layer.self_attn.q_norm is not None for layer in layers):
         return "the model has per-head q/k norms"
     tensors = [model.model.embed_tokens.weight, model.model.norm.weight, model.model.rotary.cos,

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from pagoda.layers.attention import PagedKVCache
-from pagoda.layers.attention.paged_kv import k_cache_layout
-from pagoda.layers.kv_quant import SCALE_DTYPE, KVCacheSpec, kv_cache_spec
+from pagoda.layers.attention.paged_kv import allocate_scales, k_cache_layout
+from pagoda.layers.kv_quant import KVCacheSpec, kv_cache_spec
 from pagoda.model.llama import ArchConfig
 from pagoda.worker.host_memory import huge_page_zeros, touch_pages
 
@@ -104,16 +104,14 @@ def allocate_kv_cache(arch: ArchConfig, plan: KVCachePlan, dtype: torch.dtype,
     spec = plan.spec
     assert spec.quantized or spec.storage_dtype.is_floating_point, (spec, dtype)
     shape = (plan.num_blocks, plan.block_size, arch.num_kv_heads, arch.head_dim)
-    scale_shape = spec.scale_shape(plan.num_blocks, plan.block_size, arch.num_kv_heads)
     # One tensor each, not views of one buffer: a compiled graph that writes into caches aliasing one
     # base (--compile-model's one-stream decode) would copy the whole base on every call.
     def layer() -> PagedKVCache:
         k = k_cache_layout(_zeros((plan.num_blocks, arch.num_kv_heads, arch.head_dim, plan.block_size),
                                   spec.storage_dtype, prefault))
         v = _zeros(shape, spec.storage_dtype, prefault)
-        if scale_shape is None:
-            return PagedKVCache(k, v, spec)
-        return PagedKVCache(k, v, spec, _zeros(scale_shape, SCALE_DTYPE, prefault),
-                            _zeros(scale_shape, SCALE_DTYPE, prefault))
+        scales = allocate_scales(spec, plan.num_blocks, plan.block_size, arch.num_kv_heads,
+                                 lambda shape, dtype: _zeros(shape, dtype, prefault))
+        return PagedKVCache(k, v, spec, *scales)
 
     return [layer() for _ in range(arch.num_layers)]

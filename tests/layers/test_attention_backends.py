@@ -365,6 +365,40 @@ def test_cpp_write_matches_torch_write(dtype: torch.dtype, source: str) -> None:
     assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)
 
 
+@pytest.mark.parametrize("source", ["fused rows", "contiguous", "bfloat16"])
+def test_cpp_int8_write_matches_torch_write(source: str) -> None:
+    """An int8 cache with a scale per token: the C++ writer quantizes each (token, KV head) row to the bits
+    kv_quant.write_token_scaled gives, scales included, in their layouts (K's with the tokens innermost): float32
+    rows in place or contiguous, a bfloat16 model's rows. Rows whose scale is exactly 1 or 8 put values on ties
+    (x / scale = 2.5, -3.5: to even), a row of zeros gets the smallest scale, one past float16's range the largest."""
+    from pagoda.layers.attention.cpp import write_kv, writes_in_kernel
+    from tests.layers.test_kv_quant import make_cache
+
+    g = torch.Generator().manual_seed(1)
+    ours, theirs = (make_cache(KVCacheSpec(torch.int8, "token"), num_blocks=10, block_size=16, hkv=3, d=64)
+                    for _ in range(2))
+    assert writes_in_kernel(ours) and supports(ours, torch.float32)
+    slots = torch.randperm(160, generator=g)[:100]
+    qkv = torch.randn(100, 9 * 64 + 2 * 3 * 64, generator=g) * 3
+    kv = qkv[:, 9 * 64:].view(100, 6, 64)  # K's three heads, then V's
+    kv[0, :, 0], kv[0, :, 1], kv[0, :, 2:] = 127.0, 2.5, -3.5  # scale 1: ties
+    kv[1, :, 0], kv[1, :, 1], kv[1, :, 2:] = -1016.0, 20.0, 4.0  # scale 8: 2.5 and 0.5, ties
+    kv[2] = 0.0
+    kv[3, :, 0] = 1e7
+    if source == "bfloat16":
+        qkv = qkv.to(torch.bfloat16)
+    k, v = qkv[:, 9 * 64:12 * 64].view(100, 3, 64), qkv[:, 12 * 64:].view(100, 3, 64)
+    if source == "contiguous":
+        k, v = k.contiguous(), v.contiguous()
+    write_kv(ours, 9, slots, k, v)
+    theirs.write(slots, k, v)  # kv_quant.write_token_scaled
+    pairs = ((ours.k, theirs.k), (ours.v, theirs.v), (ours.k_scale, theirs.k_scale), (ours.v_scale, theirs.v_scale))
+    for a, b in pairs:
+        assert a is not None and b is not None and torch.equal(a, b)
+    assert ours.k_scale is not None and ours.k_scale.reshape(-1, 3)[slots[0]].tolist() == [1.0] * 3
+    assert ours.k.reshape(-1, 3, 64)[slots[1], :, :2].tolist() == [[-127, 2]] * 3
+
+
 @pytest.mark.parametrize(("hkv", "group", "block_size", "d"), [(3, 3, 16, 64), (2, 1, 16, 64), (2, 2, 32, 32),
                                                                  (1, 8, 16, 16), (4, 4, 16, 48), (1, 2, 16, 96)])
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8, "bfloat16 amx"])

@@ -10,7 +10,7 @@ import torch
 
 from pagoda.layers.attention import AttentionMetadata, PagedKVCache
 from pagoda.layers.attention.backend import build_attention_metadata
-from pagoda.layers.attention.paged_kv import k_cache_layout
+from pagoda.layers.attention.paged_kv import allocate_scales, k_cache_layout
 from pagoda.layers.attention.torch_ref import TorchAttentionBackend
 from pagoda.layers.kv_quant import (
     QMAX,
@@ -94,9 +94,9 @@ def test_spec_names_and_errors() -> None:
 
 def make_cache(spec: KVCacheSpec, num_blocks: int = 16, block_size: int = 4, hkv: int = 2, d: int = 8
                ) -> PagedKVCache:
-    """Laid out as the engine allocates it (K with the tokens innermost: `k_cache_layout`)."""
-    scale_shape = spec.scale_shape(num_blocks, block_size, hkv)
-    scales = [torch.zeros(scale_shape, dtype=SCALE_DTYPE) if scale_shape else None for _ in range(2)]
+    """Laid out as the engine allocates it (K and its per-token scales with the tokens innermost: `k_cache_layout`,
+    `allocate_scales`)."""
+    scales = allocate_scales(spec, num_blocks, block_size, hkv)
     k = k_cache_layout(torch.zeros((num_blocks, hkv, d, block_size), dtype=spec.storage_dtype))
     return PagedKVCache(k, torch.zeros((num_blocks, block_size, hkv, d), dtype=spec.storage_dtype), spec, *scales)
 
@@ -111,7 +111,7 @@ def test_token_scaled_write_quantizes_each_token_on_its_own(storage: torch.dtype
     write_token_scaled(cache.k, cache.k_scale, slots, x)
     q, s = quantize_rows(x, storage)
     assert torch.equal(cache.k.reshape(-1, 2, 8)[slots].float(), q.float())
-    assert torch.equal(cache.k_scale.view(-1, 2)[slots], s)
+    assert torch.equal(cache.k_scale.reshape(-1, 2)[slots], s)
 
 
 def test_block_scaled_incremental_writes_stay_close() -> None:

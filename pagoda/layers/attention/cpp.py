@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from pagoda.layers.attention.backend import DecodeGroup
-from pagoda.layers.attention.paged_kv import PagedKVCache, is_k_cache_layout
+from pagoda.layers.attention.paged_kv import PagedKVCache, is_k_cache_layout, is_k_scale_layout
 from pagoda.layers.attention.sdpa import KernelBackend
 from pagoda.layers.cpp_build import load_library
 
@@ -61,9 +61,9 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {"pagoda_paged_decode_rows": [ptr, i64] + [ptr] * 9 + [i64] * 3 + [f32],
                   "pagoda_paged_prefill": [ptr] * 7 + [i64] * 2 + [ptr, f32],
-                  "pagoda_write_kv_rows": [ptr] * 4 + [i64, ptr, i64]}
-    if hasattr(lib, "pagoda_write_kv_f32"):  # bfloat16 and float16 caches
-        signatures["pagoda_write_kv_f32"] = [ptr] * 4 + [i64, ptr, i64]
+                  "pagoda_write_kv_rows": [ptr] * 6 + [i64, ptr, i64]}
+    if hasattr(lib, "pagoda_write_kv_f32"):  # bfloat16 and float16 caches, int8 ones with a scale per token
+        signatures["pagoda_write_kv_f32"] = [ptr] * 6 + [i64, ptr, i64]
     if rev is not None and hasattr(lib, "pagoda_paged_decode"):  # revisions before pagoda_paged_decode_rows
         signatures["pagoda_paged_decode"] = [ptr] * 10 + [i64] * 3 + [f32]
     if hasattr(lib, "pagoda_paged_prefill_amx"):  # compiled where the compiler targets AMX, for bfloat16 caches
@@ -87,21 +87,32 @@ def _library_for(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = Fals
     return _library(*_library_args(kv_cache, num_q_heads, portable), rev=rev)
 
 
+def writes_in_kernel(kv_cache: PagedKVCache) -> bool:
+    """Whether `write_kv` takes this cache: one without scales, or int8 with a scale per token (fp8 and per-block
+    scales are written by torch code, `PagedKVCache.write`)."""
+    spec = kv_cache.spec
+    return not spec.quantized or (spec.storage_dtype == torch.int8 and spec.scale_granularity == "token")
+
+
 def write_kv(kv_cache: PagedKVCache, num_q_heads: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """PagedKVCache.write for a cache without scales, in one pass: k, v (T, Hkv, D) to slots (T,). Rows that are
-    each one run of Hkv * D values, k's and v's the same stride apart (views into the fused q/k/v projection's
-    output), are read in place, others made contiguous first; values in the cache's dtype are copied, float32 ones
-    rounded to a 16-bit cache's dtype by the kernel (pagoda_write_kv_f32), others converted by torch first."""
+    """PagedKVCache.write in one pass, for a cache `writes_in_kernel` takes: k, v (T, Hkv, D) to slots (T,). Rows
+    that are each one run of Hkv * D values, k's and v's the same stride apart (views into the fused q/k/v
+    projection's output), are read in place, others made contiguous first; values in the cache's dtype are copied,
+    float32 ones rounded to a 16-bit cache's dtype or quantized to an int8 one by the kernel (pagoda_write_kv_f32,
+    to the bits `kv_quant.write_token_scaled` writes), others converted by torch first (to float32 for int8)."""
     lib = _library_for(kv_cache, num_q_heads)
     same = k.dtype == v.dtype == kv_cache.k.dtype
-    if not same and not (k.dtype == v.dtype == torch.float32 and hasattr(lib, "pagoda_write_kv_f32")):
+    if kv_cache.spec.quantized:
+        k, v = k.float(), v.float()  # exact from a 16-bit model's values
+    elif not same and not (k.dtype == v.dtype == torch.float32 and hasattr(lib, "pagoda_write_kv_f32")):
         k, v, same = k.to(kv_cache.k.dtype), v.to(kv_cache.v.dtype), True
     if not (k.stride() == v.stride() and k.stride()[1:] == (k.shape[2], 1)):
         k, v = k.contiguous(), v.contiguous()
     slots = slots.contiguous()
     write = lib.pagoda_write_kv_rows if same else lib.pagoda_write_kv_f32
-    write(kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(),
-          slots.numel())
+    ks, vs = (None if t is None else t.data_ptr() for t in (kv_cache.k_scale, kv_cache.v_scale))
+    write(kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), ks, vs, k.data_ptr(), v.data_ptr(), k.stride(0),
+          slots.data_ptr(), slots.numel())
 
 
 @functools.cache
@@ -111,12 +122,15 @@ def _fp8_table() -> torch.Tensor:
 
 def supports(kv_cache: PagedKVCache, q_dtype: torch.dtype) -> bool:
     """The kernel's cases: float32/bfloat16/float16 queries; a cache as `allocate_kv_cache` lays it out
-    (K with the tokens innermost, V contiguous), of a storage dtype in _ELEM; block_size and head_dim
-    multiples of 16 (one vector of float32 lanes)."""
+    (K and its per-token scales with the tokens innermost, V and the rest contiguous), of a storage dtype in _ELEM;
+    block_size and head_dim multiples of 16 (one vector of float32 lanes)."""
     _, block_size, _, head_dim = kv_cache.k.shape
+    ks, vs = kv_cache.k_scale, kv_cache.v_scale
+    scales_laid_out = ks is None or vs is not None and vs.is_contiguous() and (
+        is_k_scale_layout(ks) if kv_cache.spec.scale_granularity == "token" else ks.is_contiguous())
     return (q_dtype in (torch.float32, torch.bfloat16, torch.float16) and kv_cache.k.dtype in _ELEM
             and block_size % 16 == 0 and head_dim % 16 == 0
-            and is_k_cache_layout(kv_cache.k) and kv_cache.v.is_contiguous())
+            and is_k_cache_layout(kv_cache.k) and kv_cache.v.is_contiguous() and scales_laid_out)
 
 
 def decode_spans(b: int, width: int) -> tuple[int, int]:
@@ -275,7 +289,7 @@ class CppAttentionBackend(KernelBackend):
               v: torch.Tensor) -> None:
         # torch's index_put into K's strided layout: 6-10 ms of a 128-request decode step
         # (`python -m pagoda.bench.decode_step --torch-profile`), more in prompt steps
-        if self.fallback or kv_cache.spec.quantized or not supports(kv_cache, q.dtype):
+        if self.fallback or not writes_in_kernel(kv_cache) or not supports(kv_cache, q.dtype):
             return super().write(kv_cache, slots, q, k, v)
         write_kv(kv_cache, q.shape[1], slots, k, v)
 

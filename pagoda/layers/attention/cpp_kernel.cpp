@@ -7,7 +7,8 @@
 // storage format are compile-time constants, #defined ahead of both:
 //   PAGODA_HKV, PAGODA_G (query heads per KV head), PAGODA_D (head_dim), PAGODA_BS (block_size),
 //   PAGODA_ELEM: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 fp8 (e4m3),
-//   PAGODA_SCALES: 0 none, 1 a float16 scale per (token, KV head), 2 per (block, KV head);
+//   PAGODA_SCALES: 0 none, 1 a float16 scale per (token, KV head) (K's stored (num_blocks, HKV, BS), the block's
+//   tokens innermost as in K; V's (num_blocks, BS, HKV)), 2 per (block, KV head);
 //   PAGODA_PREFETCH_AHEAD: 1 to prefetch K and V one block ahead of the reads, 0 not to (Prefetcher);
 //   PAGODA_PORTABLE (optional): no AVX-512 intrinsics even where the compiler targets AVX-512 (tests use
 //   it to check the code other CPUs run).
@@ -235,9 +236,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
 #pragma GCC unroll 16
             for (int64_t e = 1; e < DSR; ++e) sg += sp[e][rg][t];
 #if PAGODA_SCALES == 1
-            vf sc;
-            for (int64_t i = 0; i < L; ++i) sc[i] = float(kscale[(block * BS + t * L + i) * HKV + h]);
-            sg *= sc;
+            sg *= load_f16(kscale + (block * HKV + h) * BS + t * L);  // stored (blocks, HKV, BS), like K
 #elif PAGODA_SCALES == 2
             sg *= float(kscale[block * HKV + h]);
 #endif
@@ -708,9 +707,10 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const uint16_t* k
 // Write T new tokens' K and V (T, HKV, D) to their slots (block * BS + offset): token t's values at k_new + t *
 // stride and v_new + t * stride, each one run of HKV * D (views into the fused q/k/v projection's rows are read in
 // place; copying them out first cost two torch calls a layer, ~10 us each at 128 rows). V rows go in whole; K
-// elements go to the tokens-innermost layout, stride BS apart. For caches without scales (quantized ones are
-// written by torch code, pagoda/layers/kv_quant.py). In is elem_t (values already in the storage dtype) or float
-// (a float32 model's, rounded here to a 16-bit cache's dtype to nearest even, as torch's `.to` rounds).
+// elements go to the tokens-innermost layout, stride BS apart. In is elem_t (values already in the storage dtype) or
+// float (a float32 model's, rounded here to a 16-bit cache's dtype to nearest even, as torch's `.to` rounds, or
+// quantized to an int8 cache with a scale per (token, KV head)). ks, vs: the scales, or null for caches without
+// them. fp8 caches and per-block scales are written by torch code (pagoda/layers/kv_quant.py).
 static inline elem_t to_elem(elem_t x) { return x; }
 #if PAGODA_ELEM == 1
 static inline elem_t to_elem(float x) { return f_to_bf16(x); }
@@ -733,14 +733,45 @@ static void write_rows(elem_t* k, elem_t* v, const In* k_new, const In* v_new, i
   }
 }
 
-extern "C" void pagoda_write_kv_rows(elem_t* k, elem_t* v, const elem_t* k_new, const elem_t* v_new, int64_t stride,
-                                     const int64_t* slots, int64_t T) {
+extern "C" void pagoda_write_kv_rows(elem_t* k, elem_t* v, uint16_t*, uint16_t*, const elem_t* k_new,
+                                     const elem_t* v_new, int64_t stride, const int64_t* slots, int64_t T) {
   write_rows(k, v, k_new, v_new, stride, slots, T);
 }
 
 #if PAGODA_ELEM == 1 || PAGODA_ELEM == 2
-extern "C" void pagoda_write_kv_f32(elem_t* k, elem_t* v, const float* k_new, const float* v_new, int64_t stride,
-                                    const int64_t* slots, int64_t T) {
+extern "C" void pagoda_write_kv_f32(elem_t* k, elem_t* v, uint16_t*, uint16_t*, const float* k_new,
+                                    const float* v_new, int64_t stride, const int64_t* slots, int64_t T) {
   write_rows(k, v, k_new, v_new, stride, slots, T);
+}
+#elif PAGODA_ELEM == 3 && PAGODA_SCALES == 1
+// One (token, KV head) row of D values quantized as kv_quant.quantize_rows does it, to the same bits: the scale is
+// absmax / 127 in float32, clamped to [2^-24, 65504] and rounded to float16; each value x / scale (the float16
+// scale as float32, a true division), clamped to +-127, rounded to nearest even. Writes the D codes `step` apart.
+static inline _Float16 quantize_row(const float* x, int8_t* out, int64_t step) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const _Float16 scale = _Float16(std::min(std::max(amax / 127.0f, 0x1p-24f), 65504.0f));
+  const float s = float(scale);
+  for (int64_t i = 0; i < D; ++i) {
+    const float y = std::min(std::max(x[i] / s, -127.0f), 127.0f);
+    out[i * step] = int8_t(std::nearbyint(y));
+  }
+  return scale;
+}
+
+extern "C" void pagoda_write_kv_f32(elem_t* k, elem_t* v, uint16_t* ks, uint16_t* vs, const float* k_new,
+                                    const float* v_new, int64_t stride, const int64_t* slots, int64_t T) {
+  _Float16* kscale = reinterpret_cast<_Float16*>(ks);
+  _Float16* vscale = reinterpret_cast<_Float16*>(vs);
+#pragma omp parallel for schedule(static) if (T >= 64)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t block = slots[t] / BS, offset = slots[t] % BS;
+    for (int64_t h = 0; h < HKV; ++h) {
+      kscale[(block * HKV + h) * BS + offset] =
+          quantize_row(k_new + t * stride + h * D, k + (block * HKV + h) * D * BS + offset, BS);
+      vscale[(block * BS + offset) * HKV + h] =
+          quantize_row(v_new + t * stride + h * D, v + ((block * BS + offset) * HKV + h) * D, 1);
+    }
+  }
 }
 #endif

@@ -7,16 +7,26 @@ K and V are indexed alike, (num_blocks, block_size, Hkv, D), but K is stored wit
 innermost: physically (num_blocks, Hkv, D, block_size), `k` being a permuted view (`k_cache_layout`).
 The C++ decode kernel (`cpp_kernel.cpp`) takes a block's scores as one vector over its tokens that way;
 torch code sees the logical shape and never depends on the storage order (writes go through
-`write_slots`, which works on any strides).
+`write_slots`, which works on any strides). Per-token K scales follow K: physically (num_blocks, Hkv,
+block_size) behind the logical (num_blocks, block_size, Hkv) (`allocate_scales`), so the kernel loads a
+block's scales for one KV head as one vector, as it loads its scores.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from pagoda.layers.kv_quant import KVCacheSpec, dequantize, write_block_scaled, write_slots, write_token_scaled
+from pagoda.layers.kv_quant import (
+    SCALE_DTYPE,
+    KVCacheSpec,
+    dequantize,
+    write_block_scaled,
+    write_slots,
+    write_token_scaled,
+)
 
 
 @dataclass
@@ -71,6 +81,31 @@ def k_cache_layout(storage: torch.Tensor) -> torch.Tensor:
 def is_k_cache_layout(k: torch.Tensor) -> bool:
     """Whether k is laid out as `k_cache_layout` makes it (what the C++ kernel reads)."""
     return k.permute(0, 2, 3, 1).is_contiguous()
+
+
+def allocate_scales(spec: KVCacheSpec, num_blocks: int, block_size: int, num_kv_heads: int,
+                    zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One layer's K and V scales for a cache of spec (None, None when not quantized), zeroed by zeros(shape,
+    dtype) (torch.zeros by default). Per token, K's are stored (num_blocks, Hkv, block_size) and returned as
+    their logical view (num_blocks, block_size, Hkv) (`is_k_scale_layout`); V's, and per-block ones, are stored
+    as they are indexed."""
+    shape = spec.scale_shape(num_blocks, block_size, num_kv_heads)
+    if shape is None:
+        return None, None
+    if zeros is None:
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype)
+    if spec.scale_granularity == "token":
+        k = zeros((num_blocks, num_kv_heads, block_size), SCALE_DTYPE).permute(0, 2, 1)
+    else:
+        k = zeros(shape, SCALE_DTYPE)
+    return k, zeros(shape, SCALE_DTYPE)
+
+
+def is_k_scale_layout(scale: torch.Tensor) -> bool:
+    """Whether per-token K scales are laid out as `allocate_scales` makes them (what the C++ kernel reads)."""
+    return scale.permute(0, 2, 1).is_contiguous()
 
 
 def _take(data: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
