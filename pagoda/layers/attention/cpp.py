@@ -69,6 +69,8 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
     if hasattr(lib, "pagoda_paged_prefill_amx"):  # compiled where the compiler targets AMX, for bfloat16 caches
         signatures["pagoda_paged_prefill_amx"] = [ptr] * 4 + [i64] * 2 + [ptr, ptr, f32]
         lib.pagoda_amx_init.restype = ctypes.c_int
+    if hasattr(lib, "pagoda_int8_dot"):
+        lib.pagoda_int8_dot.restype, lib.pagoda_int8_dot.argtypes = ctypes.c_int, []
     for name, argtypes in signatures.items():
         if rev is None or hasattr(lib, name):  # an older revision (decode --versus-rev) may lack the prefill
             getattr(lib, name).restype, getattr(lib, name).argtypes = None, argtypes
@@ -85,6 +87,12 @@ def _library_args(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = Fal
 def _library_for(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = False, rev: str | None = None) -> Any:
     """The kernels for this cache layout; rev: as of that git revision (the benchmarks' --versus-rev)."""
     return _library(*_library_args(kv_cache, num_q_heads, portable), rev=rev)
+
+
+def int8_dot(kv_cache: PagedKVCache, num_q_heads: int) -> bool:
+    """Whether the kernel takes this (int8) cache's scores by integer dot products, the queries rounded to 16-bit
+    fixed point (cpp_kernel.cpp, Int8Queries): where the compiler targets AVX-512 VNNI and VBMI."""
+    return bool(_library_for(kv_cache, num_q_heads).pagoda_int8_dot())
 
 
 def writes_in_kernel(kv_cache: PagedKVCache) -> bool:

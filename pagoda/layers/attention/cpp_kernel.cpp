@@ -51,6 +51,19 @@ constexpr int64_t out_vectors(int64_t rg) {
   return vc;
 }
 
+// An int8 cache's scores by integer dot products (AVX-512 VNNI, and VBMI's byte permute), not float32 ones: see
+// Int8Queries. Elsewhere (AVX2, the portable build) int8 elements are converted to float32 like the others.
+#if PAGODA_ELEM == 3 && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && !defined(PAGODA_PORTABLE)
+#define PAGODA_INT8_DOT 1
+#else
+#define PAGODA_INT8_DOT 0
+#endif
+// Whether this build takes an int8 cache's scores by integer dot products (its outputs then differ from float32
+// arithmetic's by the queries' rounding, Int8Queries).
+extern "C" int pagoda_int8_dot() { return PAGODA_INT8_DOT; }
+// Steps of a block's K loop for one KV head: 4 of head_dim a step with integer dot products, DS otherwise.
+constexpr int64_t K_STEPS = PAGODA_INT8_DOT ? D / 4 : D / DS;
+
 // L consecutive cache elements as float32.
 #if PAGODA_ELEM == 0
 using elem_t = float;
@@ -129,7 +142,7 @@ constexpr int64_t PREFETCH_AHEAD = PAGODA_PREFETCH_AHEAD;
 // (`bench.decode_attention --layers 30 / 1 --versus-rev`, BENCHMARKS.md).
 constexpr int64_t CB = BS >= 64 ? 1 : 64 / BS;
 constexpr int64_t LINES = HKV * D * BS * int64_t(sizeof(elem_t)) / 64;  // of one block's K (or V)
-constexpr int64_t PREFETCH_STEPS = HKV * (D / DS) + HKV * BS;         // of one block's K and V loops
+constexpr int64_t PREFETCH_STEPS = HKV * K_STEPS + HKV * BS;          // of one block's K and V loops
 constexpr int64_t PREFETCH_PER_STEP = (2 * LINES + PREFETCH_STEPS - 1) / PREFETCH_STEPS;
 // Prefetches a step's runs (above), PREFETCH_PER_STEP lines at each step(). Each block's K and V are one run of
 // LINES lines each: step() walks a pointer through the runs, a compare and an add per line (an index into the
@@ -169,6 +182,95 @@ struct Prefetcher {
   }
 };
 
+#if PAGODA_INT8_DOT
+// Scores over an int8 cache with vpdpbusd, which multiplies 64 unsigned bytes by 64 signed ones and adds each four
+// products into a 32-bit lane: 64 multiply-adds an instruction against a float32 FMA's 16, and no conversion of K
+// to float32 (two instructions per 16 elements before the FMAs). The queries go to 16-bit fixed point, one scale
+// per query vector (its largest magnitude over 32767): qi = round(q / scale), so q is rounded by at most 2^-16 of
+// its vector's largest magnitude (float16's own rounding is 2^-11 of each value), and the score is exact in
+// integers from there: qi = 256 hi + lo with lo = qi & 255 and hi in [-128, 127], biased by 128 to an unsigned byte;
+// then q . k = 256 (hi' . k - 128 sum(k)) + lo . k, three dot products a query vector shares with the other
+// vectors of its KV head (sum(k) by dot products with ones). All of them fit in int32 for head_dim up to 256.
+static_assert(D <= 256, "the int8 scores' 32-bit sums hold head_dim up to 256");
+template <int64_t R>
+struct Int8Queries {
+  alignas(64) uint32_t hi[R * HQ][D / 4], lo[R * HQ][D / 4];  // 4 consecutive elements' bytes a word
+  float scale[R * HQ];
+  explicit Int8Queries(const float* q) {  // q (R, HQ, D)
+    for (int64_t v = 0; v < R * HQ; ++v) {
+      const float* x = q + v * D;
+      float amax = 0.0f;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+      scale[v] = amax > 0.0f ? amax / 32767.0f : 1.0f;
+      for (int64_t d4 = 0; d4 < D / 4; ++d4) {
+        uint32_t h = 0, l = 0;
+        for (int64_t j = 0; j < 4; ++j) {
+          const int32_t qi = int32_t(std::nearbyint(x[d4 * 4 + j] / scale[v]));
+          const int32_t low = qi & 255;
+          h |= uint32_t((qi - low) / 256 + 128) << (8 * j);
+          l |= uint32_t(low) << (8 * j);
+        }
+        hi[v][d4] = h;
+        lo[v][d4] = l;
+      }
+    }
+  }
+};
+
+// The scores of one block's NT token vectors for the RG query vectors of KV head h (query vector rg is row rg / G,
+// head h * G + rg % G), K's scale not applied: out[rg][t]. K is stored (D, BS) per head, tokens innermost; a step
+// takes 4 rows of d and permutes each 16 tokens' 4 bytes together, as vpdpbusd reduces them.
+template <int64_t R, typename Step>
+static inline void int8_scores(const Int8Queries<R>& qq, const int8_t* kb, int64_t h, vf (&out)[R * G][NT],
+                               Step&& step) {
+  constexpr int64_t RG = R * G;
+  alignas(64) static constexpr uint8_t transpose[64] = {
+      0, 16, 32, 48, 1, 17, 33, 49, 2,  18, 34, 50, 3,  19, 35, 51, 4,  20, 36, 52, 5,  21, 37, 53,
+      6, 22, 38, 54, 7, 23, 39, 55, 8,  24, 40, 56, 9,  25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+  const __m512i perm = _mm512_load_si512(transpose);
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i sum[NT], ah[RG][NT], al[RG][NT];
+  for (int64_t t = 0; t < NT; ++t) {
+    sum[t] = _mm512_setzero_si512();
+    for (int64_t rg = 0; rg < RG; ++rg) ah[rg][t] = al[rg][t] = _mm512_setzero_si512();
+  }
+  for (int64_t d4 = 0; d4 < D / 4; ++d4) {
+    step();
+#pragma GCC unroll 16
+    for (int64_t t = 0; t < NT; ++t) {
+      __m512i kv;
+      if constexpr (BS == 16) {
+        kv = _mm512_loadu_si512(kb + d4 * 64);
+      } else {
+        kv = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kb + (d4 * 4) * BS + t * L)));
+        for (int64_t j = 1; j < 4; ++j) {
+          const __m128i part = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kb + (d4 * 4 + j) * BS + t * L));
+          kv = _mm512_inserti32x4(kv, part, int(j));
+        }
+      }
+      kv = _mm512_permutexvar_epi8(perm, kv);
+      sum[t] = _mm512_dpbusd_epi32(sum[t], ones, kv);
+#pragma GCC unroll 16
+      for (int64_t rg = 0; rg < RG; ++rg) {
+        const int64_t v = (rg / G) * HQ + h * G + rg % G;
+        ah[rg][t] = _mm512_dpbusd_epi32(ah[rg][t], _mm512_set1_epi32(int32_t(qq.hi[v][d4])), kv);
+        al[rg][t] = _mm512_dpbusd_epi32(al[rg][t], _mm512_set1_epi32(int32_t(qq.lo[v][d4])), kv);
+      }
+    }
+  }
+  for (int64_t t = 0; t < NT; ++t) {
+    const __m512i bias = _mm512_slli_epi32(sum[t], 7);
+    for (int64_t rg = 0; rg < RG; ++rg) {
+      const __m512i si = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(ah[rg][t], bias), 8), al[rg][t]);
+      const __m512 sf = _mm512_mul_ps(_mm512_cvtepi32_ps(si),
+                                      _mm512_set1_ps(qq.scale[(rg / G) * HQ + h * G + rg % G]));
+      std::memcpy(&out[rg][t], &sf, sizeof(vf));
+    }
+  }
+}
+#endif
+
 // Attend one span of blocks [j0, j1) of one sequence with R query rows (R = 1: a decode; more: consecutive
 // positions of a prompt), row r seeing the first lens[r] tokens of the context: running max m, sum l and
 // unnormalized output acc for each (row, query head), row-major. q (R, HQ, D) is pre-scaled by
@@ -202,6 +304,9 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
   [[maybe_unused]] const _Float16* vscale = reinterpret_cast<const _Float16*>(vs);
   vi32 lane;
   for (int64_t i = 0; i < L; ++i) lane[i] = int32_t(i);
+#if PAGODA_INT8_DOT
+  const Int8Queries<R> qq(q);
+#endif
   for (int64_t j = j0; j < j1; j += CB) {
     const int64_t nb = std::min<int64_t>(CB, j1 - j);  // blocks in this step
     const int64_t ntok = std::min<int64_t>(nb * BS, len - j * BS);  // their tokens (the last may be partial)
@@ -212,6 +317,11 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
       for (int64_t h = 0; h < HKV; ++h) {
         const elem_t* kb = k + (block * HKV + h) * D * BS;
         vf sp[DSR][RG][NT] = {};
+#if PAGODA_INT8_DOT
+        int8_scores<R>(qq, kb, h, sp[0], [&] {
+          if constexpr (prefetch) pf.step();
+        });
+#else
         for (int64_t d0 = 0; d0 < D; d0 += DSR) {
           if constexpr (prefetch) pf.step();
 #pragma GCC unroll 16
@@ -228,13 +338,14 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
             }
           }
         }
+#endif
 #pragma GCC unroll 16
         for (int64_t rg = 0; rg < RG; ++rg) {
 #pragma GCC unroll 16
           for (int64_t t = 0; t < NT; ++t) {
             vf sg = sp[0][rg][t];
 #pragma GCC unroll 16
-            for (int64_t e = 1; e < DSR; ++e) sg += sp[e][rg][t];
+            for (int64_t e = 1; e < (PAGODA_INT8_DOT ? 1 : DSR); ++e) sg += sp[e][rg][t];
 #if PAGODA_SCALES == 1
             sg *= load_f16(kscale + (block * HKV + h) * BS + t * L);  // stored (blocks, HKV, BS), like K
 #elif PAGODA_SCALES == 2
