@@ -90,23 +90,28 @@ def test_int8_dot_rounds_far_less_than_int8(granularity: str) -> None:
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3, 40])
-def test_cpp_kernel_on_long_scattered_contexts(num_seqs: int) -> None:
+@pytest.mark.parametrize("storage", ["float32", "int8"])
+def test_cpp_kernel_on_long_scattered_contexts(num_seqs: int, storage: str) -> None:
     """Contexts of 1-700 tokens in blocks scattered through the cache, a table padded past each sequence's
     blocks with garbage block ids that must not be read, against the float64 reference; q contiguous or a view
-    into wider rows."""
+    into wider rows. int8: quantized as the engine writes it (per token), spans of several steps through the
+    integer dot products and their step-ahead prefetch."""
     from tests.layers.test_kv_quant import make_cache
 
     g = torch.Generator().manual_seed(num_seqs)
-    cache = make_cache(KVCacheSpec(torch.float32), num_blocks=2000, block_size=16, hkv=3, d=64)
-    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    int8 = storage == "int8"
+    spec = KVCacheSpec(torch.int8, "token") if int8 else KVCacheSpec(torch.float32)
+    cache = make_cache(spec, num_blocks=2000, block_size=16, hkv=3, d=64)
+    slots = torch.arange(2000 * 16)
+    cache.write(slots, torch.randn(slots.numel(), 3, 64, generator=g), torch.randn(slots.numel(), 3, 64, generator=g))
     lens = torch.randint(1, 700, (num_seqs,), generator=g)
     lens[0] = 700
     tables = torch.randperm(2000, generator=g)[: num_seqs * 44].view(num_seqs, 44)
     q = torch.randn(num_seqs, 9, 64, generator=g)
     got = paged_decode(q, cache, tables, lens, 0.125)
-    want = paged_decode_attention(q.double(), cache.k.double(), cache.v.double(), None, None, tables, lens, 0.125)
-    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    want = paged_decode_attention(q.double(), cache.k, cache.v, cache.k_scale, cache.v_scale, tables, lens, 0.125)
+    tol = 1e-3 if int8 and _int8_dot(spec) else 1e-5
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
     wide = torch.randn(num_seqs, 9 * 64 + 100, generator=g)  # q as a view into wider rows, read in place
     wide[:, :9 * 64] = q.view(num_seqs, -1)
     assert torch.equal(paged_decode(wide[:, :9 * 64].view(num_seqs, 9, 64), cache, tables, lens, 0.125), got)

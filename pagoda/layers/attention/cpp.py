@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from pagoda.layers.attention.backend import DecodeGroup
-from pagoda.layers.attention.paged_kv import PagedKVCache, is_k_cache_layout, is_k_scale_layout
+from pagoda.layers.attention.paged_kv import PagedKVCache, is_k_cache_layout, is_scale_layout
 from pagoda.layers.attention.sdpa import KernelBackend
 from pagoda.layers.cpp_build import load_library
 
@@ -46,6 +46,11 @@ _ITEMS_PER_THREAD = 2
 # BENCHMARKS.md), so every cache is prefetched.
 PREFETCH_AHEAD = 1
 PREFETCH_MAX_ELEMENT_BYTES = 4
+# 2: a step (4 blocks) ahead instead, for these caches' kernels. With integer dot products (AVX-512 VNNI) an int8
+# cache's blocks take too little work for one block's lead to cover memory's latency: decode attention over 30
+# layers' caches 1.145x faster at 128 sequences, 1.18x at 8, 1.03x at 1; float16 1.04x at 128 but 0.97x at 1,
+# bfloat16 1.00x, float32 0.98x, so they keep a block (alternated in one process, BENCHMARKS.md).
+PREFETCH_STEP_AHEAD = (torch.int8,)
 # Inductor compiles its own kernels (explicitly vectorized) with the loop vectorizer off and without
 # fused multiply-adds; this kernel relies on the compiler vectorizing its loops, and FMAs are fine.
 _FLAGS = ("-ftree-loop-vectorize", "-ffp-contract=fast")
@@ -81,7 +86,14 @@ def _library_args(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = Fal
     """_library's arguments for this cache layout; the last is the prefetch distance (rev is left out)."""
     _, block_size, hkv, d = kv_cache.k.shape
     return (_ELEM[kv_cache.k.dtype], _SCALES[kv_cache.spec.scale_granularity], hkv, num_q_heads // hkv, d, block_size,
-            portable, PREFETCH_AHEAD if kv_cache.k.element_size() <= PREFETCH_MAX_ELEMENT_BYTES else 0)
+            portable, _prefetch_ahead(kv_cache.k.dtype))
+
+
+def _prefetch_ahead(dtype: torch.dtype) -> int:
+    """The kernel's PAGODA_PREFETCH_AHEAD for a cache of dtype (above)."""
+    if torch.empty((), dtype=dtype).element_size() > PREFETCH_MAX_ELEMENT_BYTES or PREFETCH_AHEAD == 0:
+        return 0
+    return 2 if dtype in PREFETCH_STEP_AHEAD else PREFETCH_AHEAD
 
 
 def _library_for(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = False, rev: str | None = None) -> Any:
@@ -130,12 +142,11 @@ def _fp8_table() -> torch.Tensor:
 
 def supports(kv_cache: PagedKVCache, q_dtype: torch.dtype) -> bool:
     """The kernel's cases: float32/bfloat16/float16 queries; a cache as `allocate_kv_cache` lays it out
-    (K and its per-token scales with the tokens innermost, V and the rest contiguous), of a storage dtype in _ELEM;
+    (K and per-token scales with the tokens innermost, V and per-block scales contiguous), of a storage dtype in _ELEM;
     block_size and head_dim multiples of 16 (one vector of float32 lanes)."""
     _, block_size, _, head_dim = kv_cache.k.shape
-    ks, vs = kv_cache.k_scale, kv_cache.v_scale
-    scales_laid_out = ks is None or vs is not None and vs.is_contiguous() and (
-        is_k_scale_layout(ks) if kv_cache.spec.scale_granularity == "token" else ks.is_contiguous())
+    granularity = kv_cache.spec.scale_granularity
+    scales_laid_out = all(t is None or is_scale_layout(t, granularity) for t in (kv_cache.k_scale, kv_cache.v_scale))
     return (q_dtype in (torch.float32, torch.bfloat16, torch.float16) and kv_cache.k.dtype in _ELEM
             and block_size % 16 == 0 and head_dim % 16 == 0
             and is_k_cache_layout(kv_cache.k) and kv_cache.v.is_contiguous() and scales_laid_out)

@@ -7,8 +7,8 @@
 // storage format are compile-time constants, #defined ahead of both:
 //   PAGODA_HKV, PAGODA_G (query heads per KV head), PAGODA_D (head_dim), PAGODA_BS (block_size),
 //   PAGODA_ELEM: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 fp8 (e4m3),
-//   PAGODA_SCALES: 0 none, 1 a float16 scale per (token, KV head) (K's stored (num_blocks, HKV, BS), the block's
-//   tokens innermost as in K; V's (num_blocks, BS, HKV)), 2 per (block, KV head);
+//   PAGODA_SCALES: 0 none, 1 a float16 scale per (token, KV head) (stored (num_blocks, HKV, BS), the block's tokens
+//   innermost as in K), 2 per (block, KV head);
 //   PAGODA_PREFETCH_AHEAD: 1 to prefetch K and V one block ahead of the reads, 0 not to (Prefetcher);
 //   PAGODA_PORTABLE (optional): no AVX-512 intrinsics even where the compiler targets AVX-512 (tests use
 //   it to check the code other CPUs run).
@@ -61,6 +61,8 @@ constexpr int64_t out_vectors(int64_t rg) {
 // Whether this build takes an int8 cache's scores by integer dot products (its outputs then differ from float32
 // arithmetic's by the queries' rounding, Int8Queries).
 extern "C" int pagoda_int8_dot() { return PAGODA_INT8_DOT; }
+// And its weighted sum of V rows by integer dot products too (int8_values), where head_dim is a multiple of 32.
+#define PAGODA_INT8_V (PAGODA_INT8_DOT && PAGODA_D % 32 == 0)
 // Steps of a block's K loop for one KV head: 4 of head_dim a step with integer dot products, DS otherwise.
 constexpr int64_t K_STEPS = PAGODA_INT8_DOT ? D / 4 : D / DS;
 
@@ -133,7 +135,12 @@ static inline vf load16(const elem_t* p, const float* table) {
 // never did): one sequence of 300-2,400 tokens over 30 layers' caches 1.17-1.26x faster, 128 sequences 1.15-1.24x,
 // one sequence whose cache is in L2 0.94-0.95x (`bench.decode_attention --layers 30 --versus-rev`, BENCHMARKS.md).
 // The scales (float16, a few bytes a block) are left to the hardware.
-static_assert(PAGODA_PREFETCH_AHEAD == 0 || PAGODA_PREFETCH_AHEAD == 1, "prefetching is on (1) or off (0)");
+//
+// PAGODA_PREFETCH_AHEAD 2: a step ahead instead, for caches whose steps take too little time for a block's lead to
+// cover memory's latency (int8 with integer dot products: a block's K loop is ~16 instructions a KV head): each
+// step prefetches the next step's K and V blocks, all of them, and the first step of a span its own as well.
+static_assert(PAGODA_PREFETCH_AHEAD >= 0 && PAGODA_PREFETCH_AHEAD <= 2, "prefetching is off (0), a block (1) or a "
+              "step (2) ahead");
 constexpr int64_t PREFETCH_AHEAD = PAGODA_PREFETCH_AHEAD;
 // Blocks whose scores go through one online-softmax update, 64 tokens' worth: the update (a maximum and a
 // sum across lanes, two exponentials, a rescale of the output) is a chain of dependent instructions per
@@ -148,16 +155,24 @@ constexpr int64_t PREFETCH_PER_STEP = (2 * LINES + PREFETCH_STEPS - 1) / PREFETC
 // LINES lines each: step() walks a pointer through the runs, a compare and an add per line (an index into the
 // runs cost a multiply and a dozen more instructions per line, as many as the vector work of a K step).
 struct Prefetcher {
-  const char* run[2 * CB] = {};  // in the order the step reads them
+  const char* run[4 * CB] = {};  // in the order the step reads them
   int64_t runs = 0, next = 0;     // runs, and the next one to start
   const char* line = nullptr;     // the next line, in [line, end) of the current run
   const char* end = nullptr;
-  // The step's n blocks; more: the span has a block after them.
-  void start(const elem_t* kc, const elem_t* vc, const int64_t* blocks, int64_t n, bool more) {
+  // The step's n blocks, followed by the next step's next (0 at the span's end); first: the span's first step.
+  void start(const elem_t* kc, const elem_t* vc, const int64_t* blocks, int64_t n, int64_t next_n, bool first) {
     runs = 0;
-    for (int64_t c = 1; c < n; ++c) run[runs++] = reinterpret_cast<const char*>(kc + blocks[c] * HKV * D * BS);
-    for (int64_t c = 0; c < n; ++c) run[runs++] = reinterpret_cast<const char*>(vc + blocks[c] * BS * HKV * D);
-    if (more) run[runs++] = reinterpret_cast<const char*>(kc + blocks[n] * HKV * D * BS);
+    const auto k_run = [&](int64_t c) { run[runs++] = reinterpret_cast<const char*>(kc + blocks[c] * HKV * D * BS); };
+    const auto v_run = [&](int64_t c) { run[runs++] = reinterpret_cast<const char*>(vc + blocks[c] * BS * HKV * D); };
+    if (PREFETCH_AHEAD == 1 || first) {
+      for (int64_t c = 1; c < n; ++c) k_run(c);
+      for (int64_t c = 0; c < n; ++c) v_run(c);
+    }
+    if (PREFETCH_AHEAD == 1 && next_n > 0) k_run(n);
+    if (PREFETCH_AHEAD == 2) {
+      for (int64_t c = n; c < n + next_n; ++c) k_run(c);
+      for (int64_t c = n; c < n + next_n; ++c) v_run(c);
+    }
     for (int64_t r = 0; r < runs; ++r) {
       for (int64_t b = 0; b < LINES * 64; b += 4096) __builtin_prefetch(run[r] + b, 0, 2);
     }
@@ -269,6 +284,90 @@ static inline void int8_scores(const Int8Queries<R>& qq, const int8_t* kb, int64
     }
   }
 }
+
+#if PAGODA_INT8_V
+// Adds one step's weighted V rows of KV head h to the outputs of its RG query vectors (acc, float32, already
+// rescaled by the step's softmax correction) with vpdpwssd, which multiplies 32 pairs of int16 and adds each
+// pair's two products into a 32-bit lane: two tokens a lane, 16 head_dim elements a vector. A query vector's
+// weights (softmax weight x the token's V scale, all >= 0) go to 15-bit fixed point against the step's largest,
+// rounded by at most 2^-16 of it; V's int8 rows are widened to int16 and interleaved token by token (in-lane
+// unpacks, which leave head_dim in a permuted order, put back once a step). Against float32 FMAs (two conversion
+// instructions and G multiply-adds per 16 elements and token): 2 widenings and unpacks, and G dot products, per 16
+// elements and two tokens. Each step's sums stay in int32: 64 tokens x 32767 x 127 < 2^31.
+// s: the step's softmax weights per (row, query head); blocks: the step's nb blocks; ntok: their tokens; step():
+// the prefetcher's pace (once a token).
+template <int64_t R, typename Step>
+static inline void int8_values(const float (*s)[CB * BS], const int8_t* v, const _Float16* vscale,
+                               const int64_t* blocks, int64_t nb, int64_t ntok, int64_t h, float* acc, Step&& step) {
+  constexpr int64_t RG = R * G, NV = D / 16;  // output vectors of 16 lanes a query vector
+  alignas(64) uint32_t pairs[RG][CB * BS / 2];  // a query vector's weights, two tokens' int16 a word
+  float wscale[RG];
+  for (int64_t rg = 0; rg < RG; ++rg) {
+    const float* p = s[(rg / G) * HQ + h * G + rg % G];
+    alignas(64) float w[CB * BS];
+    vf vmax = {};
+    for (int64_t c = 0; c < nb; ++c) {
+      for (int64_t t = 0; t < NT; ++t) {
+        vf x;
+        std::memcpy(&x, p + c * BS + t * L, sizeof(x));
+#if PAGODA_SCALES == 1
+        x *= load_f16(vscale + (blocks[c] * HKV + h) * BS + t * L);
+#elif PAGODA_SCALES == 2
+        x *= float(vscale[blocks[c] * HKV + h]);
+#endif
+        std::memcpy(w + c * BS + t * L, &x, sizeof(x));
+        vmax = vmax > x ? vmax : x;
+      }
+    }
+    const float wmax = fold_max(vmax);
+    wscale[rg] = wmax / 32767.0f;
+    const __m512 inv = _mm512_set1_ps(wmax > 0.0f ? 32767.0f / wmax : 0.0f);
+    for (int64_t i = 0; i < nb * BS; i += 16) {
+      const __m512 x = _mm512_min_ps(_mm512_mul_ps(_mm512_load_ps(w + i), inv), _mm512_set1_ps(32767.0f));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(&pairs[rg][i / 2]), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(x)));
+    }
+  }
+  __m512i sums[RG][NV];
+  for (int64_t rg = 0; rg < RG; ++rg) {
+    for (int64_t i = 0; i < NV; ++i) sums[rg][i] = _mm512_setzero_si512();
+  }
+  for (int64_t c = 0; c < nb; ++c) {
+    const int64_t nt = std::min<int64_t>(BS, ntok - c * BS);  // a pair's second token may be past it: weight 0
+    for (int64_t t = 0; t < nt; t += 2) {
+      step();
+      step();
+      const int8_t* r0 = v + ((blocks[c] * BS + t) * HKV + h) * D;
+      const int8_t* r1 = r0 + HKV * D;  // the next token's row
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < NV; i += 2) {  // 32 elements: lanes of d = 32 (i / 2) + 8 (lane / 4) + lane % 4 (+4)
+        const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + i * 16)));
+        const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + i * 16)));
+        const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+#pragma GCC unroll 16
+        for (int64_t rg = 0; rg < RG; ++rg) {
+          const __m512i wp = _mm512_set1_epi32(int32_t(pairs[rg][(c * BS + t) / 2]));
+          sums[rg][i] = _mm512_dpwssd_epi32(sums[rg][i], lo, wp);
+          sums[rg][i + 1] = _mm512_dpwssd_epi32(sums[rg][i + 1], hi, wp);
+        }
+      }
+    }
+  }
+  // back to head_dim order: of 32 elements, the first 16 are lanes 0-3 of lo, 0-3 of hi, 4-7 of lo, 4-7 of hi
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t rg = 0; rg < RG; ++rg) {
+    float* out = acc + ((rg / G) * HQ + h * G + rg % G) * D;
+    const __m512 ws = _mm512_set1_ps(wscale[rg]);
+    for (int64_t i = 0; i < NV; i += 2) {
+      const __m512i y0 = _mm512_permutex2var_epi32(sums[rg][i], first, sums[rg][i + 1]);
+      const __m512i y1 = _mm512_permutex2var_epi32(sums[rg][i], second, sums[rg][i + 1]);
+      _mm512_storeu_ps(out + i * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(y0), ws, _mm512_loadu_ps(out + i * 16)));
+      _mm512_storeu_ps(out + i * 16 + 16,
+                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(y1), ws, _mm512_loadu_ps(out + i * 16 + 16)));
+    }
+  }
+}
+#endif
 #endif
 
 // Attend one span of blocks [j0, j1) of one sequence with R query rows (R = 1: a decode; more: consecutive
@@ -311,7 +410,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
     const int64_t nb = std::min<int64_t>(CB, j1 - j);  // blocks in this step
     const int64_t ntok = std::min<int64_t>(nb * BS, len - j * BS);  // their tokens (the last may be partial)
     Prefetcher pf;
-    if (prefetch) pf.start(k, v, blocks + j, nb, j + nb < j1);
+    if (prefetch) pf.start(k, v, blocks + j, nb, std::min<int64_t>(CB, j1 - j - nb), j == j0);
     for (int64_t c = 0; c < nb; ++c) {
       const int64_t block = blocks[j + c];
       for (int64_t h = 0; h < HKV; ++h) {
@@ -385,6 +484,11 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
       }
     }
     for (int64_t h = 0; h < HKV; ++h) {
+#if PAGODA_INT8_V
+      int8_values<R>(s, v, vscale, blocks + j, nb, ntok, h, acc, [&] {
+        if constexpr (prefetch) pf.step();
+      });
+#else
       // VC of the D / L output vectors at a time (all of them where they fit in registers). The outputs go to and
       // from registers a vector at a time: copied as one array (a memcpy of VC vectors), GCC moved them through
       // the stack in 16-byte halves, and each 32-byte load of a half-written vector waited for its stores (no
@@ -408,7 +512,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
             }
             const elem_t* vr = v + ((block * BS + t) * HKV + h) * D + i0 * L;
 #if PAGODA_SCALES == 1
-            const float sc = float(vscale[(block * BS + t) * HKV + h]);
+            const float sc = float(vscale[(block * HKV + h) * BS + t]);
 #elif PAGODA_SCALES == 2
             const float sc = float(vscale[block * HKV + h]);
 #else
@@ -433,6 +537,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
           }
         }
       }
+#endif
     }
     if constexpr (prefetch) pf.finish();
   }
@@ -880,7 +985,7 @@ extern "C" void pagoda_write_kv_f32(elem_t* k, elem_t* v, uint16_t* ks, uint16_t
     for (int64_t h = 0; h < HKV; ++h) {
       kscale[(block * HKV + h) * BS + offset] =
           quantize_row(k_new + t * stride + h * D, k + (block * HKV + h) * D * BS + offset, BS);
-      vscale[(block * BS + offset) * HKV + h] =
+      vscale[(block * HKV + h) * BS + offset] =
           quantize_row(v_new + t * stride + h * D, v + ((block * BS + offset) * HKV + h) * D, 1);
     }
   }

@@ -7,7 +7,7 @@ K and V are indexed alike, (num_blocks, block_size, Hkv, D), but K is stored wit
 innermost: physically (num_blocks, Hkv, D, block_size), `k` being a permuted view (`k_cache_layout`).
 The C++ decode kernel (`cpp_kernel.cpp`) takes a block's scores as one vector over its tokens that way;
 torch code sees the logical shape and never depends on the storage order (writes go through
-`write_slots`, which works on any strides). Per-token K scales follow K: physically (num_blocks, Hkv,
+`write_slots`, which works on any strides). Per-token scales follow K: physically (num_blocks, Hkv,
 block_size) behind the logical (num_blocks, block_size, Hkv) (`allocate_scales`), so the kernel loads a
 block's scales for one KV head as one vector, as it loads its scores.
 """
@@ -87,25 +87,25 @@ def allocate_scales(spec: KVCacheSpec, num_blocks: int, block_size: int, num_kv_
                     zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One layer's K and V scales for a cache of spec (None, None when not quantized), zeroed by zeros(shape,
-    dtype) (torch.zeros by default). Per token, K's are stored (num_blocks, Hkv, block_size) and returned as
-    their logical view (num_blocks, block_size, Hkv) (`is_k_scale_layout`); V's, and per-block ones, are stored
-    as they are indexed."""
+    dtype) (torch.zeros by default). Per token, they are stored (num_blocks, Hkv, block_size) and returned as
+    their logical view (num_blocks, block_size, Hkv) (`is_scale_layout`); per block, as they are indexed."""
     shape = spec.scale_shape(num_blocks, block_size, num_kv_heads)
     if shape is None:
         return None, None
-    if zeros is None:
-        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype)
-    if spec.scale_granularity == "token":
-        k = zeros((num_blocks, num_kv_heads, block_size), SCALE_DTYPE).permute(0, 2, 1)
-    else:
-        k = zeros(shape, SCALE_DTYPE)
-    return k, zeros(shape, SCALE_DTYPE)
+    make = zeros or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+
+    def one() -> torch.Tensor:
+        if spec.scale_granularity == "token":
+            return make((num_blocks, num_kv_heads, block_size), SCALE_DTYPE).permute(0, 2, 1)
+        return make(shape, SCALE_DTYPE)
+
+    return one(), one()
 
 
-def is_k_scale_layout(scale: torch.Tensor) -> bool:
-    """Whether per-token K scales are laid out as `allocate_scales` makes them (what the C++ kernel reads)."""
-    return scale.permute(0, 2, 1).is_contiguous()
+def is_scale_layout(scale: torch.Tensor, granularity: str | None) -> bool:
+    """Whether scales of this granularity are laid out as `allocate_scales` makes them (what the C++ kernel
+    reads)."""
+    return (scale.permute(0, 2, 1) if granularity == "token" else scale).is_contiguous()
 
 
 def _take(data: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
