@@ -56,7 +56,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batched: bool) ->
 
 def _paged(args: argparse.Namespace) -> None:
     from pagoda.layers.attention.cpp import amx_prefill_available, paged_prefill, paged_prefill_amx
-    from pagoda.layers.attention.paged_kv import PagedKVCache, k_cache_layout
+    from pagoda.layers.attention.paged_kv import PagedKVCache, allocate_scales, k_cache_layout
     from pagoda.layers.attention.sdpa import SDPAAttentionBackend
     from pagoda.layers.kv_quant import KVCacheSpec
 
@@ -64,11 +64,21 @@ def _paged(args: argparse.Namespace) -> None:
     n, seq_len, bs = args.tokens, args.context + args.tokens, 16
     num_blocks = 2 * -(-seq_len // bs) + 64
     table = torch.randperm(num_blocks, generator=g)[: -(-seq_len // bs)]
-    # (queries, cache): a float32 model's own cache, its float16 one (what --quantization runs: auto), bfloat16's
+    # (queries, cache): a float32 model's own cache, its float16 one (what --quantization runs: auto), its int8 one
+    # (a scale per token, quantized as the engine writes it), bfloat16's
     for dtype, cache_dtype in ((torch.float32, torch.float32), (torch.float32, torch.float16),
-                               (torch.bfloat16, torch.bfloat16)):
-        cache = PagedKVCache(k_cache_layout(torch.randn(num_blocks, 3, 64, bs, generator=g).to(cache_dtype)),
-                             torch.randn(num_blocks, bs, 3, 64, generator=g).to(cache_dtype), KVCacheSpec(cache_dtype))
+                               (torch.float32, torch.int8), (torch.bfloat16, torch.bfloat16)):
+        if cache_dtype == torch.int8:
+            spec = KVCacheSpec(torch.int8, "token")
+            cache = PagedKVCache(k_cache_layout(torch.zeros(num_blocks, 3, 64, bs, dtype=torch.int8)),
+                                 torch.zeros(num_blocks, bs, 3, 64, dtype=torch.int8), spec,
+                                 *allocate_scales(spec, num_blocks, bs, 3))
+            slots = torch.arange(num_blocks * bs)
+            cache.write(slots, *(torch.randn(slots.numel(), 3, 64, generator=g) for _ in range(2)))
+        else:
+            cache = PagedKVCache(k_cache_layout(torch.randn(num_blocks, 3, 64, bs, generator=g).to(cache_dtype)),
+                                 torch.randn(num_blocks, bs, 3, 64, generator=g).to(cache_dtype),
+                                 KVCacheSpec(cache_dtype))
         q = torch.randn(n, 9, 64, generator=g).to(dtype)
         keys, values = cache.gather(table, dtype)
         k, v = keys.flatten(0, 1)[seq_len - n: seq_len], values.flatten(0, 1)[seq_len - n: seq_len]
@@ -89,7 +99,7 @@ def _paged(args: argparse.Namespace) -> None:
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         want = sides["sdpa"]().float()
         print(json.dumps({"dtype": str(dtype).removeprefix("torch."),
-                          "kv_cache": str(cache_dtype).removeprefix("torch."), "tokens": n, "context": args.context}
+                          "kv_cache": cache.spec.name, "tokens": n, "context": args.context}
                          | {f"ms_{name}": round(m, 3) for name, m in ms.items()}
                          | {f"sdpa_over_{name}": round(ms["sdpa"] / m, 2) for name, m in ms.items() if name != "sdpa"}
                          | ({"cpp_rev_over_cpp": round(ms["cpp_rev"] / ms["cpp"], 3)} if "cpp_rev" in ms else {})

@@ -296,10 +296,17 @@ static inline void int8_scores(const Int8Queries<R>& qq, const int8_t* kb, int64
 // elements and two tokens. Each step's sums stay in int32: 64 tokens x 32767 x 127 < 2^31.
 // s: the step's softmax weights per (row, query head); blocks: the step's nb blocks; ntok: their tokens; step():
 // the prefetcher's pace (once a token).
+// The largest divisor of head_dim / 32 whose 2 x rg x chunks sums fit in 16 registers, at least 1.
+constexpr int64_t int8_value_chunks(int64_t rg) {
+  int64_t vp = D / 32;
+  while (vp > 1 && (2 * rg * vp > 16 || (D / 32) % vp != 0)) --vp;
+  return vp;
+}
+
 template <int64_t R, typename Step>
 static inline void int8_values(const float (*s)[CB * BS], const int8_t* v, const _Float16* vscale,
                                const int64_t* blocks, int64_t nb, int64_t ntok, int64_t h, float* acc, Step&& step) {
-  constexpr int64_t RG = R * G, NV = D / 16;  // output vectors of 16 lanes a query vector
+  constexpr int64_t RG = R * G;
   alignas(64) uint32_t pairs[RG][CB * BS / 2];  // a query vector's weights, two tokens' int16 a word
   float wscale[RG];
   for (int64_t rg = 0; rg < RG; ++rg) {
@@ -327,43 +334,50 @@ static inline void int8_values(const float (*s)[CB * BS], const int8_t* v, const
       _mm256_store_si256(reinterpret_cast<__m256i*>(&pairs[rg][i / 2]), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(x)));
     }
   }
-  __m512i sums[RG][NV];
-  for (int64_t rg = 0; rg < RG; ++rg) {
-    for (int64_t i = 0; i < NV; ++i) sums[rg][i] = _mm512_setzero_si512();
-  }
-  for (int64_t c = 0; c < nb; ++c) {
-    const int64_t nt = std::min<int64_t>(BS, ntok - c * BS);  // a pair's second token may be past it: weight 0
-    for (int64_t t = 0; t < nt; t += 2) {
-      step();
-      step();
-      const int8_t* r0 = v + ((blocks[c] * BS + t) * HKV + h) * D;
-      const int8_t* r1 = r0 + HKV * D;  // the next token's row
-#pragma GCC unroll 8
-      for (int64_t i = 0; i < NV; i += 2) {  // 32 elements: lanes of d = 32 (i / 2) + 8 (lane / 4) + lane % 4 (+4)
-        const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + i * 16)));
-        const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + i * 16)));
-        const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
-#pragma GCC unroll 16
-        for (int64_t rg = 0; rg < RG; ++rg) {
-          const __m512i wp = _mm512_set1_epi32(int32_t(pairs[rg][(c * BS + t) / 2]));
-          sums[rg][i] = _mm512_dpwssd_epi32(sums[rg][i], lo, wp);
-          sums[rg][i + 1] = _mm512_dpwssd_epi32(sums[rg][i + 1], hi, wp);
-        }
-      }
-    }
-  }
   // back to head_dim order: of 32 elements, the first 16 are lanes 0-3 of lo, 0-3 of hi, 4-7 of lo, 4-7 of hi
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int64_t rg = 0; rg < RG; ++rg) {
-    float* out = acc + ((rg / G) * HQ + h * G + rg % G) * D;
-    const __m512 ws = _mm512_set1_ps(wscale[rg]);
-    for (int64_t i = 0; i < NV; i += 2) {
-      const __m512i y0 = _mm512_permutex2var_epi32(sums[rg][i], first, sums[rg][i + 1]);
-      const __m512i y1 = _mm512_permutex2var_epi32(sums[rg][i], second, sums[rg][i + 1]);
-      _mm512_storeu_ps(out + i * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(y0), ws, _mm512_loadu_ps(out + i * 16)));
-      _mm512_storeu_ps(out + i * 16 + 16,
-                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(y1), ws, _mm512_loadu_ps(out + i * 16 + 16)));
+  // VP of the D / 32 chunks a pass over the step's tokens: 2 x RG x VP sums in registers (12 for a decode's 3 query
+  // vectors and both chunks of head_dim 64; a prompt's 6 take one chunk a pass, where 24 had spilled to the stack)
+  constexpr int64_t VP = int8_value_chunks(RG);
+  for (int64_t i0 = 0; i0 < D / 32; i0 += VP) {
+    __m512i sums[RG][2 * VP];
+    for (int64_t rg = 0; rg < RG; ++rg) {
+      for (int64_t i = 0; i < 2 * VP; ++i) sums[rg][i] = _mm512_setzero_si512();
+    }
+    for (int64_t c = 0; c < nb; ++c) {
+      const int64_t nt = std::min<int64_t>(BS, ntok - c * BS);  // a pair's second token may be past it: weight 0
+      for (int64_t t = 0; t < nt; t += 2) {
+        if (i0 == 0) {  // paced by the tokens, as if in one pass
+          step();
+          step();
+        }
+        const int8_t* r0 = v + ((blocks[c] * BS + t) * HKV + h) * D + i0 * 32;
+        const int8_t* r1 = r0 + HKV * D;  // the next token's row
+#pragma GCC unroll 8
+        for (int64_t i = 0; i < VP; ++i) {  // 32 elements: lanes of d = 32 i + 8 (lane / 4) + lane % 4 (hi: +4)
+          const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + i * 32)));
+          const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + i * 32)));
+          const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+#pragma GCC unroll 16
+          for (int64_t rg = 0; rg < RG; ++rg) {
+            const __m512i wp = _mm512_set1_epi32(int32_t(pairs[rg][(c * BS + t) / 2]));
+            sums[rg][2 * i] = _mm512_dpwssd_epi32(sums[rg][2 * i], lo, wp);
+            sums[rg][2 * i + 1] = _mm512_dpwssd_epi32(sums[rg][2 * i + 1], hi, wp);
+          }
+        }
+      }
+    }
+    for (int64_t rg = 0; rg < RG; ++rg) {
+      float* out = acc + ((rg / G) * HQ + h * G + rg % G) * D + i0 * 32;
+      const __m512 ws = _mm512_set1_ps(wscale[rg]);
+      for (int64_t i = 0; i < VP; ++i) {
+        const __m512i y0 = _mm512_permutex2var_epi32(sums[rg][2 * i], first, sums[rg][2 * i + 1]);
+        const __m512i y1 = _mm512_permutex2var_epi32(sums[rg][2 * i], second, sums[rg][2 * i + 1]);
+        float* o = out + i * 32;
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(y0), ws, _mm512_loadu_ps(o)));
+        _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(y1), ws, _mm512_loadu_ps(o + 16)));
+      }
     }
   }
 }
