@@ -52,8 +52,10 @@ constexpr int64_t out_vectors(int64_t rg) {
 }
 
 // An int8 cache's scores by integer dot products (AVX-512 VNNI, and VBMI's byte permute), not float32 ones: see
-// Int8Queries. Elsewhere (AVX2, the portable build) int8 elements are converted to float32 like the others.
-#if PAGODA_ELEM == 3 && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && !defined(PAGODA_PORTABLE)
+// Int8Queries. Elsewhere (AVX2, the portable build, head_dim past 256) int8 elements are converted to float32 like
+// the others.
+#if PAGODA_ELEM == 3 && PAGODA_D <= 256 && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && \
+    !defined(PAGODA_PORTABLE)
 #define PAGODA_INT8_DOT 1
 #else
 #define PAGODA_INT8_DOT 0
@@ -61,8 +63,9 @@ constexpr int64_t out_vectors(int64_t rg) {
 // Whether this build takes an int8 cache's scores by integer dot products (its outputs then differ from float32
 // arithmetic's by the queries' rounding, Int8Queries).
 extern "C" int pagoda_int8_dot() { return PAGODA_INT8_DOT; }
-// And its weighted sum of V rows by integer dot products too (int8_values), where head_dim is a multiple of 32.
-#define PAGODA_INT8_V (PAGODA_INT8_DOT && PAGODA_D % 32 == 0)
+// And its weighted sum of V rows by integer dot products too (int8_values), where head_dim is a multiple of 32 and
+// a step at most 256 tokens (its sums in int32).
+#define PAGODA_INT8_V (PAGODA_INT8_DOT && PAGODA_D % 32 == 0 && PAGODA_BS <= 256)
 // Steps of a block's K loop for one KV head: 4 of head_dim a step with integer dot products, DS otherwise.
 constexpr int64_t K_STEPS = PAGODA_INT8_DOT ? D / 4 : D / DS;
 
@@ -293,7 +296,7 @@ static inline void int8_scores(const Int8Queries<R>& qq, const int8_t* kb, int64
 // rounded by at most 2^-16 of it; V's int8 rows are widened to int16 and interleaved token by token (in-lane
 // unpacks, which leave head_dim in a permuted order, put back once a step). Against float32 FMAs (two conversion
 // instructions and G multiply-adds per 16 elements and token): 2 widenings and unpacks, and G dot products, per 16
-// elements and two tokens. Each step's sums stay in int32: 64 tokens x 32767 x 127 < 2^31.
+// elements and two tokens. Each step's sums stay in int32: 256 tokens x 32767 x 127 < 2^31.
 // s: the step's softmax weights per (row, query head); blocks: the step's nb blocks; ntok: their tokens; step():
 // the prefetcher's pace (once a token).
 // The largest divisor of head_dim / 32 whose 2 x rg x chunks sums fit in 16 registers, at least 1.
