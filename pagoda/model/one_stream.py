@@ -18,8 +18,7 @@ whose linears have the GEMV (or, with `--quantization`, all run the same packed 
 has the GEMV's signature), the fused elementwise ops, the cpp attention backend's kernel for a cache of the
 model's dtype (or, under a float32 model, of bfloat16 or float16, or int8 with a scale per token: K and V are
 rounded or quantized as the eager path's write does it; not fp8, not per-block scales), and no per-head q/k norm
-(Qwen3). Otherwise the model keeps its eager forward
-(logged).
+(Qwen3). Otherwise the model keeps its eager forward (logged).
 `--compile-model` has its own one-stream graph instead.
 """
 

@@ -120,6 +120,7 @@ def write_kv(kv_cache: PagedKVCache, num_q_heads: int, slots: torch.Tensor, k: t
     projection's output), are read in place, others made contiguous first; values in the cache's dtype are copied,
     float32 ones rounded to a 16-bit cache's dtype or quantized to an int8 one by the kernel (pagoda_write_kv_f32,
     to the bits `kv_quant.write_token_scaled` writes), others converted by torch first (to float32 for int8)."""
+    assert writes_in_kernel(kv_cache), kv_cache.spec
     lib = _library_for(kv_cache, num_q_heads)
     same = k.dtype == v.dtype == kv_cache.k.dtype
     if kv_cache.spec.quantized:

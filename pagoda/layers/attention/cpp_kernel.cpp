@@ -9,7 +9,7 @@
 //   PAGODA_ELEM: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 fp8 (e4m3),
 //   PAGODA_SCALES: 0 none, 1 a float16 scale per (token, KV head) (stored (num_blocks, HKV, BS), the block's tokens
 //   innermost as in K), 2 per (block, KV head);
-//   PAGODA_PREFETCH_AHEAD: 1 to prefetch K and V one block ahead of the reads, 0 not to (Prefetcher);
+//   PAGODA_PREFETCH_AHEAD: 1 to prefetch K and V one block ahead of the reads, 2 a step ahead, 0 not to (Prefetcher);
 //   PAGODA_PORTABLE (optional): no AVX-512 intrinsics even where the compiler targets AVX-512 (tests use
 //   it to check the code other CPUs run).
 //
@@ -209,7 +209,6 @@ struct Prefetcher {
 // integers from there: qi = 256 hi + lo with lo = qi & 255 and hi in [-128, 127], biased by 128 to an unsigned byte;
 // then q . k = 256 (hi' . k - 128 sum(k)) + lo . k, three dot products a query vector shares with the other
 // vectors of its KV head (sum(k) by dot products with ones). All of them fit in int32 for head_dim up to 256.
-static_assert(D <= 256, "the int8 scores' 32-bit sums hold head_dim up to 256");
 template <int64_t R>
 struct Int8Queries {
   alignas(64) uint32_t hi[R * HQ][D / 4], lo[R * HQ][D / 4];  // 4 consecutive elements' bytes a word
@@ -297,16 +296,6 @@ static inline void int8_scores(const Int8Queries<R>& qq, const int8_t* kb, int64
 }
 
 #if PAGODA_INT8_V
-// Adds one step's weighted V rows of KV head h to the outputs of its RG query vectors (acc, float32, already
-// rescaled by the step's softmax correction) with vpdpwssd, which multiplies 32 pairs of int16 and adds each
-// pair's two products into a 32-bit lane: two tokens a lane, 16 head_dim elements a vector. A query vector's
-// weights (softmax weight x the token's V scale, all >= 0) go to 15-bit fixed point against the step's largest,
-// rounded by at most 2^-16 of it; V's int8 rows are widened to int16 and interleaved token by token (in-lane
-// unpacks, which leave head_dim in a permuted order, put back once a step). Against float32 FMAs (two conversion
-// instructions and G multiply-adds per 16 elements and token): 2 widenings and unpacks, and G dot products, per 16
-// elements and two tokens. Each step's sums stay in int32: 256 tokens x 32767 x 127 < 2^31.
-// s: the step's softmax weights per (row, query head); blocks: the step's nb blocks; ntok: their tokens; step():
-// the prefetcher's pace (once a token).
 // The largest divisor of head_dim / 32 whose 2 x rg x chunks sums fit in 16 registers, at least 1.
 constexpr int64_t int8_value_chunks(int64_t rg) {
   int64_t vp = D / 32;
@@ -314,6 +303,16 @@ constexpr int64_t int8_value_chunks(int64_t rg) {
   return vp;
 }
 
+// Adds one step's weighted V rows of KV head h to the outputs of its RG query vectors (acc, float32, already
+// rescaled by the step's softmax correction) with vpdpwssd, which multiplies 32 pairs of int16 and adds each
+// pair's two products into a 32-bit lane: two tokens a lane, 16 head_dim elements a vector. A query vector's
+// weights (softmax weight x the token's V scale, all >= 0) go to 15-bit fixed point against the step's largest,
+// rounded by about 2^-16 of it; V's int8 rows are widened to int16 and interleaved token by token (in-lane
+// unpacks, which leave head_dim in a permuted order, put back once a step). Against float32 FMAs (two conversion
+// instructions and G multiply-adds per 16 elements and token): 2 widenings and unpacks, and G dot products, per 16
+// elements and two tokens. Each step's sums stay in int32: 256 tokens x 32767 x 127 < 2^31.
+// s: the step's softmax weights per (row, query head); blocks: the step's nb blocks; ntok: their tokens; step():
+// the prefetcher's pace (once a token).
 template <int64_t R, typename Step>
 static inline void int8_values(const float (*s)[CB * BS], const int8_t* v, const _Float16* vscale,
                                const int64_t* blocks, int64_t nb, int64_t ntok, int64_t h, float* acc, Step&& step) {
