@@ -91,7 +91,7 @@ def _library_args(kv_cache: PagedKVCache, num_q_heads: int, portable: bool = Fal
 
 def _prefetch_ahead(dtype: torch.dtype) -> int:
     """The kernel's PAGODA_PREFETCH_AHEAD for a cache of dtype (above)."""
-    if torch.empty((), dtype=dtype).element_size() > PREFETCH_MAX_ELEMENT_BYTES or PREFETCH_AHEAD == 0:
+    if dtype.itemsize > PREFETCH_MAX_ELEMENT_BYTES or PREFETCH_AHEAD == 0:
         return 0
     return 2 if dtype in PREFETCH_STEP_AHEAD else PREFETCH_AHEAD
 

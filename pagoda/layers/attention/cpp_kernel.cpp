@@ -309,8 +309,8 @@ constexpr int64_t int8_value_chunks(int64_t rg) {
 // weights (softmax weight x the token's V scale, all >= 0) go to 15-bit fixed point against the step's largest,
 // rounded by about 2^-16 of it; V's int8 rows are widened to int16 and interleaved token by token (in-lane
 // unpacks, which leave head_dim in a permuted order, put back once a step). Against float32 FMAs (two conversion
-// instructions and G multiply-adds per 16 elements and token): 2 widenings and unpacks, and G dot products, per 16
-// elements and two tokens. Each step's sums stay in int32: 256 tokens x 32767 x 127 < 2^31.
+// instructions and G multiply-adds per 16 elements and token): per 32 elements and two tokens, two widenings, two
+// unpacks and 2 G dot products. Each step's sums stay in int32: 256 tokens x 32767 x 127 < 2^31.
 // s: the step's softmax weights per (row, query head); blocks: the step's nb blocks; ntok: their tokens; step():
 // the prefetcher's pace (once a token).
 template <int64_t R, typename Step>
@@ -319,22 +319,27 @@ static inline void int8_values(const float (*s)[CB * BS], const int8_t* v, const
   constexpr int64_t RG = R * G;
   alignas(64) uint32_t pairs[RG][CB * BS / 2];  // a query vector's weights, two tokens' int16 a word
   float wscale[RG];
+  vf sc[CB * NT];  // the step's V scales of head h, shared by its RG query vectors
+  for (int64_t c = 0; c < nb; ++c) {
+    for (int64_t t = 0; t < NT; ++t) {
+#if PAGODA_SCALES == 1
+      sc[c * NT + t] = load_f16(vscale + (blocks[c] * HKV + h) * BS + t * L);
+#else
+      static_assert(PAGODA_SCALES == 2, "int8 caches have scales");
+      sc[c * NT + t] = vf{} + float(vscale[blocks[c] * HKV + h]);
+#endif
+    }
+  }
   for (int64_t rg = 0; rg < RG; ++rg) {
     const float* p = s[(rg / G) * HQ + h * G + rg % G];
     alignas(64) float w[CB * BS];
     vf vmax = {};
-    for (int64_t c = 0; c < nb; ++c) {
-      for (int64_t t = 0; t < NT; ++t) {
-        vf x;
-        std::memcpy(&x, p + c * BS + t * L, sizeof(x));
-#if PAGODA_SCALES == 1
-        x *= load_f16(vscale + (blocks[c] * HKV + h) * BS + t * L);
-#elif PAGODA_SCALES == 2
-        x *= float(vscale[blocks[c] * HKV + h]);
-#endif
-        std::memcpy(w + c * BS + t * L, &x, sizeof(x));
-        vmax = vmax > x ? vmax : x;
-      }
+    for (int64_t i = 0; i < nb * NT; ++i) {
+      vf x;
+      std::memcpy(&x, p + i * L, sizeof(x));
+      x *= sc[i];
+      std::memcpy(w + i * L, &x, sizeof(x));
+      vmax = vmax > x ? vmax : x;
     }
     const float wmax = fold_max(vmax);
     wscale[rg] = wmax / 32767.0f;
