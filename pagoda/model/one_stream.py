@@ -239,8 +239,12 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str 
         return "the attention backend is not the cpp kernel"
     cache = kv_caches[0]
     if not _cache_written(dtype, cache) or not cpp_supports(cache, dtype):
+        # fp8 has no arithmetic of its own on CPUs: int8 per token stores as many tokens, rounds less and, in the
+        # one-call decode, ran 128 q4_1 requests 1.29x as fast (BENCHMARKS.md), so the log says so.
+        hint = ("; int8 per token (--kv-cache-dtype int8) is the faster and more accurate one-byte cache on a CPU"
+                if cache.k.dtype == torch.float8_e4m3fn else "")
         return ("the KV cache is not one the cpp kernel reads, of the model's dtype or a float32 model's 16-bit or "
-                "int8 (per token) one")
+                "int8 (per token) one" + hint)
     if any(layer.self_attn.q_norm is not None for layer in layers):
         return "the model has per-head q/k norms"
     tensors = [model.model.embed_tokens.weight, model.model.norm.weight, model.model.rotary.cos,

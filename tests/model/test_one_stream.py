@@ -129,7 +129,7 @@ def test_declines_more_decodes_than_the_gemv_takes(tiny_model: tuple[str, Path])
     (dict(dtype="bfloat16", attention_backend="sdpa"), "not the cpp kernel"),
     (dict(dtype="bfloat16", kv_cache_dtype="int8"), "KV cache"),
     (dict(dtype="float32", kv_cache_dtype="int8", kv_cache_scale_granularity="block"), "KV cache"),
-    (dict(dtype="float32", kv_cache_dtype="fp8"), "KV cache"),
+    (dict(dtype="float32", kv_cache_dtype="fp8"), "int8 per token (--kv-cache-dtype int8) is the faster"),
     (dict(dtype="bfloat16", kv_cache_dtype="float16"), "KV cache"),
     (dict(dtype="bfloat16", fused_ops=False), "fused elementwise ops are off"),
 ])
