@@ -41,10 +41,12 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
 // layers: per layer LAYER_PTRS addresses, in this order: input norm weight, qkv weight, qkv bias (or null),
 // o weight, o bias (or null), post-attention norm weight, gate_up weight, down weight, K cache, V cache, K scales, V
 // scales (null for caches without them).
-// dims: hidden, q heads, KV heads, head_dim, intermediate. bufs, each for B rows: residual (hidden), h (hidden),
-// qkv, q as float32, attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x (hidden),
-// all of elem_t except the two float32 ones (unused for a float32 model, whose q and output the kernel takes as
-// they are), the decode kernel's work (B x spans x q heads x (head_dim + 2) floats), and cos and sin (head_dim
+// dims: hidden, q heads, KV heads, head_dim, intermediate, and 1 where a bfloat16 model's K and V rows go to the
+// cache write as float32 (an int8 cache's write quantizes float32 rows; the eager path converts them too), else 0.
+// bufs, each for B rows: residual (hidden), h (hidden), qkv, q as float32 (or K and V for that write: max(q, 2 x KV)
+// heads x head_dim a row), attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x
+// (hidden), all of elem_t except the two float32 ones (unused for a float32 model, whose q and output the kernel
+// takes as they are), the decode kernel's work (B x spans x q heads x (head_dim + 2) floats), and cos and sin (head_dim
 // each) of the rows' positions. ids, positions, slots, seq_lens: (B,); block_tables (B, W); cos_table,
 // sin_table: the rotary tables, rows rotary_stride elements apart. out: the final norm's output (B, hidden).
 // lm_w, logits, V: the lm_head's weight (plain or packed), and where its B x V outputs go (the lm_head's output
@@ -90,6 +92,7 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
   const auto decode = reinterpret_cast<decode_fn>(fns[5]);
   const auto lm_head = reinterpret_cast<gemv_fn>(fns[6]);
   const int64_t H = dims[0], HQ = dims[1], HKV = dims[2], D = dims[3], I = dims[4];
+  [[maybe_unused]] const bool kv_as_f32 = dims[5] != 0;
   const int64_t QS = HQ * D, KVS = HKV * D, QKV = QS + 2 * KVS;
   auto* residual = static_cast<elem_t*>(bufs[0]);
   void* h = bufs[1];
@@ -125,7 +128,18 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
     });
     timed(ts, OP_QKV, [&] { gemv(h, p[1], p[2], qkv, B, QKV, H); });
     timed(ts, OP_ROTARY, [&] { rotary(qkv, QKV, HQ, qkv + QS, QKV, HKV, cos, sin, B, D); });
-    timed(ts, OP_WRITE_KV, [&] { write_kv(p[8], p[9], p[10], p[11], qkv + QS, qkv + QS + KVS, QKV, slots, B); });
+    timed(ts, OP_WRITE_KV, [&] {
+#if PAGODA_ELEM == 1
+      if (kv_as_f32) {  // the rows' K and V as float32, k and v 2 x KVS apart (exact: bfloat16 widens)
+        for (int64_t b = 0; b < B; ++b) {
+          for (int64_t i = 0; i < 2 * KVS; ++i) qf[b * 2 * KVS + i] = bf16_to_f(qkv[b * QKV + QS + i]);
+        }
+        write_kv(p[8], p[9], p[10], p[11], qf, qf + KVS, 2 * KVS, slots, B);
+        return;
+      }
+#endif
+      write_kv(p[8], p[9], p[10], p[11], qkv + QS, qkv + QS + KVS, QKV, slots, B);
+    });
     timed(ts, OP_ATTENTION, [&] {
 #if PAGODA_ELEM == 0
       decode(qkv, QKV, p[8], p[9], p[10], p[11], nullptr, block_tables, seq_lens, static_cast<float*>(attn), work,

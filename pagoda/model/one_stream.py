@@ -115,8 +115,9 @@ class OneStreamForward:
         self._layers = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self._num_layers = len(layers)
         self._cfg = cfg
+        kv_as_f32 = dtype == torch.bfloat16 and kv_caches[0].spec.quantized  # an int8 cache's write takes float32
         self._dims = torch.tensor([cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.intermediate_size], dtype=torch.int64)
+                                   cfg.intermediate_size, int(kv_as_f32)], dtype=torch.int64)
         self._rows = self._work_floats = 0  # what the scratch buffers hold (_scratch)
         self._bufs_tensors: list[torch.Tensor] = []
         self._bufs = (ctypes.c_void_p * _BUFFERS)()
@@ -146,7 +147,7 @@ class OneStreamForward:
             cfg.intermediate_size
         f32 = torch.float32
         self._bufs_tensors = [torch.empty(n, h, dtype=dtype), torch.empty(n, h, dtype=dtype),
-                              torch.empty(n, q + 2 * kv, dtype=dtype), torch.empty(n, q, dtype=f32),
+                              torch.empty(n, q + 2 * kv, dtype=dtype), torch.empty(n, max(q, 2 * kv), dtype=f32),
                               torch.empty(n, q, dtype=f32), torch.empty(n, q, dtype=dtype),
                               torch.empty(n, h, dtype=dtype), torch.empty(n, 2 * inter, dtype=dtype),
                               torch.empty(n, inter, dtype=dtype), torch.empty(n, h, dtype=dtype),
@@ -211,10 +212,10 @@ def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
 
 def _cache_written(dtype: torch.dtype, cache: PagedKVCache) -> bool:
     """Whether the loop writes a model of dtype's K and V to the cache as the eager path does: the cache is of the
-    model's dtype, or a float32 model's is bfloat16 or float16 (rounded by the kernel) or int8 with a scale per
-    token (quantized by the kernel; a bfloat16 model's rows would need converting first)."""
+    model's dtype, or a float32 model's is bfloat16 or float16 (rounded by the kernel), or it is int8 with a scale per
+    token (quantized by the kernel from float32 rows; a bfloat16 model's converted first, as `cpp.write_kv` does)."""
     if cache.spec.quantized:
-        return dtype == torch.float32 and writes_in_kernel(cache)
+        return writes_in_kernel(cache)
     return cache.k.dtype == dtype or (dtype == torch.float32 and cache.k.dtype in (torch.bfloat16, torch.float16))
 
 

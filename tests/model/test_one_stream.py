@@ -47,12 +47,14 @@ def _count_rows(model: object, rows: list[int]) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float32+q4_1", "float32+q4_1/bfloat16",
-                                   "float32+q8_0", "float32+q8_0/float32", "float32/float16", "float32+q4_1/int8"])
+                                   "float32+q8_0", "float32+q8_0/float32", "float32/float16", "float32+q4_1/int8",
+                                   "bfloat16/int8"])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_matches_the_eager_forward_exactly(tiny_model: tuple[str, Path], seeded: bool, dtype: str) -> None:
     """float32+q4_1 (+q8_0): the linears through the Q4_1 (Q8_0) kernel's GEMV-shaped entry point, the KV cache
     float16 (what auto is under a quantization); /float32, /bfloat16, /float16: a float32 model's KV cache in
-    that dtype (K and V rounded on write); /int8: quantized on write, a scale per token."""
+    that dtype (K and V rounded on write); /int8: quantized on write, a scale per token (a bfloat16 model's rows
+    widened to float32 first, in the loop as in the eager path)."""
     arch, folder = tiny_model
     dtype, _, kv_cache_dtype = dtype.partition("/")
     dtype, _, quantization = dtype.partition("+")
@@ -127,7 +129,6 @@ def test_declines_more_decodes_than_the_gemv_takes(tiny_model: tuple[str, Path])
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(dtype="float16"), "not bfloat16 or float32"),
     (dict(dtype="bfloat16", attention_backend="sdpa"), "not the cpp kernel"),
-    (dict(dtype="bfloat16", kv_cache_dtype="int8"), "KV cache"),
     (dict(dtype="float32", kv_cache_dtype="int8", kv_cache_scale_granularity="block"), "KV cache"),
     (dict(dtype="float32", kv_cache_dtype="fp8"), "int8 per token (--kv-cache-dtype int8) is the faster"),
     (dict(dtype="bfloat16", kv_cache_dtype="float16"), "KV cache"),
@@ -143,7 +144,7 @@ def test_left_out_where_its_kernels_are(tiny_model: tuple[str, Path], caplog: py
 
 
 @pytest.mark.parametrize("dtype", ["float32+q4_1", "float32+q8_0/float32", "float32+q4_1/bfloat16", "bfloat16",
-                                   "float32", "float32/float16", "float32/int8"])
+                                   "float32", "float32/float16", "float32/int8", "bfloat16/int8"])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_batched_decode_steps_match_the_eager_forward(tiny_model: tuple[str, Path], seeded: bool, dtype: str) -> None:
     """Steps that are decodes alone, up to 4 of them (the GEMV's rows; any number for a quantized model), go through
