@@ -16,9 +16,9 @@ other OpenMP thread waited (BENCHMARKS.md, "Batched decode steps in one call").
 Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 or float32 model
 whose linears have the GEMV (or, with `--quantization`, all run the same packed kernel, Q4_1 or Q8_0, which
 has the GEMV's signature), the fused elementwise ops, the cpp attention backend's kernel for a cache of the
-model's dtype (or, under a float32 model, of bfloat16 or float16, or int8 with a scale per token: K and V are
-rounded or quantized as the eager path's write does it; not fp8, not per-block scales), and no per-head q/k norm
-(Qwen3). Otherwise the model keeps its eager forward (logged).
+model's dtype (or, under a float32 model, of bfloat16 or float16; or, under either, int8 with a scale per token: K
+and V are rounded or quantized as the eager path's write does it; not fp8, not per-block scales), and no per-head
+q/k norm (Qwen3). Otherwise the model keeps its eager forward (logged).
 `--compile-model` has its own one-stream graph instead.
 """
 
