@@ -244,8 +244,8 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str 
         # one-call decode, ran 128 q4_1 requests 1.29x as fast (BENCHMARKS.md), so the log says so.
         hint = ("; int8 per token (--kv-cache-dtype int8) is the faster and more accurate one-byte cache on a CPU"
                 if cache.k.dtype == torch.float8_e4m3fn else "")
-        return ("the KV cache is not one the cpp kernel reads, of the model's dtype or a float32 model's 16-bit or "
-                "int8 (per token) one" + hint)
+        return ("the KV cache is not one the cpp kernel reads and the loop writes: the model's dtype, a float32 "
+                "model's bfloat16 or float16, or int8 with a scale per token" + hint)
     if any(layer.self_attn.q_norm is not None for layer in layers):
         return "the model has per-head q/k norms"
     tensors = [model.model.embed_tokens.weight, model.model.norm.weight, model.model.rotary.cos,
