@@ -215,6 +215,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from pagoda.bench import serve
 
         serve.report(serve.run_bench_serve(args), args.json)
+    elif args.bench == "compare":  # runs `bench throughput` in child processes: no engine here either
+        from pagoda.bench import compare
+
+        compare.report(compare.run_compare(args), args.json)
     elif args.bench == "latency":
         from pagoda.bench import latency
 
@@ -285,12 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--context-len", type=int, action="append", help="context length (repeatable)")
     kv.add_argument("--json", action="store_true")
     add_serve_parser(sub)
-    from pagoda.bench import latency, serve, throughput
+    from pagoda.bench import compare, latency, serve, throughput
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     throughput.add_parser(bench, add_engine_flags)
     latency.add_parser(bench, add_engine_flags)
     serve.add_parser(bench)
+    compare.add_parser(bench)
     return parser
 
 

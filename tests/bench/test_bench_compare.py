@@ -1,0 +1,87 @@
+"""`pagoda bench compare`: the runs it plans, the ratios it computes, and one small comparison end to end on a tiny
+random model (what is run and reported, never how fast anything is)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagoda.bench import compare
+from pagoda.entrypoints.cli import build_parser, main
+from tests.conftest import make_tiny_model
+
+
+def parse(*argv: str) -> Any:
+    return build_parser().parse_args(["bench", "compare", *argv])
+
+
+def test_plans_the_issues_workload_and_peers_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compare.importlib.util, "find_spec", lambda name: object())  # llama-cpp-python present
+    args = parse()
+    assert compare.workload_args(args) == ["--dataset", "random", "--num-prompts", "128", "--input-len", "64:512",
+                                           "--prefix-len", "1024", "--output-len", "128", "--seed", "0"]
+    runs = compare.planned_runs(args)
+    assert [argv for _, argv, _ in runs] == [
+        ["--backend", "hf", "--hf-batch-size", "32", "--dtype", "bfloat16"],
+        ["--backend", "llamacpp", "--llamacpp-parallel", "16"],
+        [], ["--quantization", "q4_1"]]
+    args = parse("--peers", "", "--pagoda=--kv-cache-prefault", "--pagoda", "--quantization q4_1 --kv-cache-dtype int8",
+                 "--model", "m.gguf")
+    assert [argv for _, argv, _ in compare.planned_runs(args)] == [
+        ["--kv-cache-prefault"], ["--quantization", "q4_1", "--kv-cache-dtype", "int8"]]
+    assert compare.workload_args(args)[-2:] == ["--model", "m.gguf"]
+
+
+def test_a_missing_peer_is_skipped_with_the_reason_and_an_unknown_one_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compare.importlib.util, "find_spec", lambda name: None)
+    name, argv, skipped = compare.planned_runs(parse("--peers", "llamacpp"))[0]
+    assert name.startswith("llama.cpp") and argv is None and "llama-cpp-python is not installed" in str(skipped)
+    with pytest.raises(ValueError, match="--peers takes hf and llamacpp; got vllm"):
+        compare.planned_runs(parse("--peers", "hf,vllm"))
+
+
+def result(backend: str, tps: float, **extra: Any) -> dict[str, Any]:
+    return {"backend": backend, "total_tokens_per_second": tps, "elapsed_s": 1.0,
+            "ttft_s": {"mean": 0.5, "median": 0.5, "p90": 0.9, "p99": 1.0}, **extra}
+
+
+def test_table_gives_ratios_to_the_peers_that_ran() -> None:
+    runs = [{"name": "hf", "result": result("hf", 100.0)},
+            {"name": "llama.cpp", "skipped": "not installed"},
+            {"name": "default", "result": result("pagoda", 550.0, compute_floor_fraction=0.71,
+                                                 engine_options={"dtype": "auto", "quantization": "none"})},
+            {"name": "q4_1", "result": result("pagoda", 800.0, compute_floor_fraction=1.4,
+                                              engine_options={"dtype": "auto", "quantization": "q4_1"})},
+            {"name": "bad", "error": "exit status 2: boom"}]
+    rows = compare.table(runs)
+    assert rows[0] == {"name": "hf", "elapsed_s": 1.0, "total_tokens_per_second": 100.0, "ttft_mean_s": 0.5,
+                       "ttft_p99_s": 1.0}
+    assert rows[1] == {"name": "llama.cpp", "skipped": "not installed"}
+    assert rows[2]["over_hf"] == pytest.approx(5.5) and rows[2]["over_llamacpp"] is None
+    assert rows[2]["floor_target_applies"] is True and rows[3]["floor_target_applies"] is False
+    assert rows[3]["over_hf"] == pytest.approx(8.0)
+    assert rows[4] == {"name": "bad", "error": "exit status 2: boom"}
+
+
+def test_compares_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """HF and two Pagoda runs in child processes on a tiny model, one of them with a bad flag: it fails alone."""
+    model = make_tiny_model(tmp_path / "tiny", "llama")
+    saved = tmp_path / "cmp.json"
+    assert main(["bench", "compare", "--model", str(model), "--num-prompts", "3", "--input-len", "4:9",
+                 "--output-len", "3", "--peers", "hf", "--hf-batch-size", "2", "--hf-dtype", "float32",
+                 "--pagoda", "--kv-cache-memory 8MiB", "--pagoda", "--kv-cache-dtype nope",
+                 "--save-result", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "| HF transformers, float32, batches of 2 |" in out and "failed: exit status 2" in out
+    data = json.loads(saved.read_text())
+    hf, ok, bad = data["runs"]
+    assert hf["result"]["backend"] == "hf" and ok["result"]["backend"] == "pagoda"
+    assert hf["result"]["prompt_tokens"] == ok["result"]["prompt_tokens"]  # the same workload
+    assert "invalid choice: 'nope'" in bad["error"]
+    row = data["table"][1]
+    assert row["over_hf"] == pytest.approx(ok["result"]["total_tokens_per_second"] /
+                                           hf["result"]["total_tokens_per_second"])
+    assert ok["command"][:3] == ["pagoda", "bench", "throughput"] and "--kv-cache-memory" in ok["command"]
