@@ -145,6 +145,9 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
             continue
         print(f"running {name} ...", file=sys.stderr, flush=True)
         result = run_one(base + argv)
+        done = result.get("error") or (f"{result['total_tokens_per_second']:.1f} total tokens/s in "
+                                       f"{result['elapsed_s']:.1f} s")
+        print(f"  {done}", file=sys.stderr, flush=True)
         runs.append({"name": name, "command": ["pagoda", "bench", "throughput", *base, *argv, "--json"],
                      **({"error": result["error"]} if "error" in result else {"result": result})})
     out = {"workload": base, "targets": TARGETS, "runs": runs, "table": table(runs)}
