@@ -28,7 +28,7 @@ import subprocess
 import sys
 from typing import Any
 
-from pagoda.bench.common import add_workload_flags
+from pagoda.bench.common import add_workload_flags, workload_spec
 
 # The targets for the offline workload: Pagoda's total tokens/s over HF's and llama.cpp's, and the compute
 # floor's share (float32 models).
@@ -137,6 +137,7 @@ def table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run_compare(args: argparse.Namespace) -> dict[str, Any]:
+    workload_spec(args)  # a bad workload flag fails here, once, not in every child process
     base = workload_args(args)
     runs: list[dict[str, Any]] = []
     for name, argv, skipped in planned_runs(args):

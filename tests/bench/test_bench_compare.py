@@ -43,6 +43,12 @@ def test_a_missing_peer_is_skipped_with_the_reason_and_an_unknown_one_refused(mo
         compare.planned_runs(parse("--peers", "hf,vllm"))
 
 
+def test_a_bad_workload_fails_once_before_any_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "compare", "--num-prompts", "0", "--peers", ""]) == 2
+    captured = capsys.readouterr()
+    assert "--num-prompts must be >= 1, got 0" in captured.err and "running" not in captured.err
+
+
 def result(backend: str, tps: float, **extra: Any) -> dict[str, Any]:
     return {"backend": backend, "total_tokens_per_second": tps, "elapsed_s": 1.0,
             "ttft_s": {"mean": 0.5, "median": 0.5, "p90": 0.9, "p99": 1.0}, **extra}
