@@ -14,8 +14,10 @@ with its error and the others go on.
 The table gives each run's total (prompt + generated) tokens/s, its ratio to HF's and to llama.cpp's, the share of
 the compute floor (the run's matmul FLOPs a second over the best float32 matmul rate measured around it: the
 issue's measure for float32 models; a quantized model's int8 arithmetic can pass 100%), and mean and p99 time to
-first token. These machines' speed drifts by up to 1.7x within an hour, so compare runs of one invocation, not
-figures of different ones.
+first token. Then, with `--also stream,prompt` (the default), the issue's two one-request comparisons, llama.cpp
+(one sequence) against each Pagoda flag set: one stream's decode tokens/s after its first token (a 16-token prompt,
+129 generated) and one 512-token prompt's tokens/s. These machines' speed drifts by up to 1.7x within an hour, so
+compare runs of one invocation, not figures of different ones.
 """
 
 from __future__ import annotations
@@ -32,8 +34,17 @@ from pagoda.bench.common import add_workload_flags, workload_spec
 
 # The issue's targets for the offline workload: Pagoda's total tokens/s over HF's and llama.cpp's, and the compute
 # floor's share (float32 models).
-TARGETS = {"hf": 5.0, "llamacpp": 2.0, "floor": 0.70}
+TARGETS = {"hf": 5.0, "llamacpp": 2.0, "floor": 0.70, "prompt_over_llamacpp": 1.5}
 DEFAULT_PAGODA = ("", "--quantization q4_1")
+# The one-request workloads (`--also`): bench throughput's workload flags, the figure compared, its label. llama.cpp
+# runs them with one sequence and its batch of 512 (a whole prompt in one llama_decode call).
+SINGLE = {
+    "stream": (["--num-prompts", "1", "--input-len", "16:16", "--output-len", "129"], "decode_tokens_per_second",
+               "one stream, decode tokens/s after the first token (16-token prompt, 129 generated)"),
+    "prompt": (["--num-prompts", "1", "--input-len", "512:512", "--output-len", "1"], "prompt_tokens_per_second",
+               "one 512-token prompt, tokens/s"),
+}
+LLAMACPP_SINGLE = ["--backend", "llamacpp", "--llamacpp-parallel", "1", "--llamacpp-batch", "512"]
 
 
 def add_parser(sub: Any) -> None:
@@ -52,40 +63,62 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--hf-dtype", default="bfloat16", help="the hf peer's dtype (default bfloat16)")
     p.add_argument("--llamacpp-parallel", type=int, default=16,
                    help="sequences the llamacpp peer decodes together (default 16)")
+    p.add_argument("--also", default="stream,prompt",
+                   help="one-request comparisons against llama.cpp to run after the offline one: stream, prompt "
+                        "('' for none; default both)")
     p.add_argument("--save-result", default=None, metavar="FILE", help="write every run's result and the table as JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
-def workload_args(args: argparse.Namespace) -> list[str]:
-    """The workload flags of `bench throughput` that reproduce args' workload."""
-    lo, hi = args.input_len
-    out = ["--dataset", args.dataset, "--num-prompts", str(args.num_prompts), "--input-len", f"{lo}:{hi}",
-           "--prefix-len", str(args.prefix_len), "--output-len", str(args.output_len), "--seed", str(args.seed)]
-    if args.dataset_path is not None:
-        out += ["--dataset-path", args.dataset_path]
+def workload_args(args: argparse.Namespace, workload: str = "offline") -> list[str]:
+    """The flags of `bench throughput` that reproduce args' workload (offline) or a one-request one (SINGLE), with
+    the model."""
+    if workload == "offline":
+        lo, hi = args.input_len
+        out = ["--dataset", args.dataset, "--num-prompts", str(args.num_prompts), "--input-len", f"{lo}:{hi}",
+               "--prefix-len", str(args.prefix_len), "--output-len", str(args.output_len), "--seed", str(args.seed)]
+        if args.dataset_path is not None:
+            out += ["--dataset-path", args.dataset_path]
+    else:
+        out = [*SINGLE[workload][0], "--seed", str(args.seed)]
     if args.model is not None:
         out += ["--model", args.model]
     return out
 
 
-def planned_runs(args: argparse.Namespace) -> list[tuple[str, list[str] | None, str | None]]:
-    """(name, `bench throughput` arguments after the workload's, or None with the reason it is skipped)."""
-    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-    unknown = sorted(set(peers) - {"hf", "llamacpp"})
+Plan = tuple[str, str, list[str] | None, str | None]
+
+
+def _names(value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(allowed))
     if unknown:
-        raise ValueError(f"--peers takes hf and llamacpp; got {', '.join(unknown)}")
-    runs: list[tuple[str, list[str] | None, str | None]] = []
+        raise ValueError(f"{flag} takes {' and '.join(allowed)}; got {', '.join(unknown)}")
+    return names
+
+
+def planned_runs(args: argparse.Namespace) -> list[Plan]:
+    """(workload: offline, stream or prompt; name; `bench throughput` arguments after the workload's, or None with
+    the reason it is skipped)."""
+    peers = _names(args.peers, ("hf", "llamacpp"), "--peers")
+    also = _names(args.also, tuple(SINGLE), "--also")
+    missing = "llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)"
+    have_llamacpp = importlib.util.find_spec("llama_cpp") is not None
+    pagoda = [(f"Pagoda {flags}".rstrip() if flags.strip() else "Pagoda (defaults)", shlex.split(flags))
+              for flags in (args.pagoda if args.pagoda is not None else DEFAULT_PAGODA)]
+    runs: list[Plan] = []
     if "hf" in peers:
-        runs.append((f"HF transformers, {args.hf_dtype}, batches of {args.hf_batch_size}",
+        runs.append(("offline", f"HF transformers, {args.hf_dtype}, batches of {args.hf_batch_size}",
                      ["--backend", "hf", "--hf-batch-size", str(args.hf_batch_size), "--dtype", args.hf_dtype], None))
     if "llamacpp" in peers:
-        name = f"llama.cpp, {args.llamacpp_parallel} parallel sequences"
-        if importlib.util.find_spec("llama_cpp") is None:
-            runs.append((name, None, "llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)"))
-        else:
-            runs.append((name, ["--backend", "llamacpp", "--llamacpp-parallel", str(args.llamacpp_parallel)], None))
-    for flags in args.pagoda if args.pagoda is not None else DEFAULT_PAGODA:
-        runs.append((f"Pagoda {flags}".rstrip() if flags.strip() else "Pagoda (defaults)", shlex.split(flags), None))
+        runs.append(("offline", f"llama.cpp, {args.llamacpp_parallel} parallel sequences",
+                     ["--backend", "llamacpp", "--llamacpp-parallel", str(args.llamacpp_parallel)] if have_llamacpp
+                     else None, None if have_llamacpp else missing))
+    runs += [("offline", name, argv, None) for name, argv in pagoda]
+    for workload in also:
+        runs.append((workload, "llama.cpp, one sequence", LLAMACPP_SINGLE if have_llamacpp else None,
+                     None if have_llamacpp else missing))
+        runs += [(workload, name, argv, None) for name, argv in pagoda]
     return runs
 
 
@@ -109,8 +142,28 @@ def is_float32_run(result: dict[str, Any]) -> bool:
     return opts.get("quantization", "none") in (None, "none") and opts.get("dtype", "auto") in ("auto", "float32")
 
 
+def single_table(runs: list[dict[str, Any]], workload: str) -> list[dict[str, Any]]:
+    """One row per run of a one-request workload: its figure (SINGLE) and, for Pagoda's, the ratio to llama.cpp's."""
+    key = SINGLE[workload][1]
+    runs = [r for r in runs if r.get("workload") == workload]
+    peer = next((r["result"].get(key) for r in runs if r.get("result", {}).get("backend") == "llamacpp"), None)
+    rows = []
+    for r in runs:
+        row: dict[str, Any] = {"name": r["name"]}
+        if "result" not in r:
+            row["skipped" if "skipped" in r else "error"] = r.get("skipped") or r.get("error")
+        else:
+            row[key] = value = r["result"].get(key)
+            if r["result"].get("backend") == "pagoda":
+                row["over_llamacpp"] = value / peer if value and peer else None
+        rows.append(row)
+    return rows
+
+
 def table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per run: its figures and its ratios to the peers that ran."""
+    """One row per run of the offline workload: its figures and its ratios to the peers that ran."""
+    runs = [r for r in runs if r.get("workload", "offline") == "offline"]
+
     def total(backend: str) -> float | None:
         return next((r["result"]["total_tokens_per_second"] for r in runs
                      if "result" in r and r["result"].get("backend") == backend), None)
@@ -138,20 +191,24 @@ def table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     workload_spec(args)  # a bad workload flag fails here, once, not in every child process
-    base = workload_args(args)
+    plans = planned_runs(args)
     runs: list[dict[str, Any]] = []
-    for name, argv, skipped in planned_runs(args):
+    for workload, name, argv, skipped in plans:
         if argv is None:
-            runs.append({"name": name, "skipped": skipped})
+            runs.append({"workload": workload, "name": name, "skipped": skipped})
             continue
-        print(f"running {name} ...", file=sys.stderr, flush=True)
+        print(f"running {name} ({workload}) ...", file=sys.stderr, flush=True)
+        base = workload_args(args, workload)
         result = run_one(base + argv)
         done = result.get("error") or (f"{result['total_tokens_per_second']:.1f} total tokens/s in "
                                        f"{result['elapsed_s']:.1f} s")
         print(f"  {done}", file=sys.stderr, flush=True)
-        runs.append({"name": name, "command": ["pagoda", "bench", "throughput", *base, *argv, "--json"],
+        runs.append({"workload": workload, "name": name,
+                     "command": ["pagoda", "bench", "throughput", *base, *argv, "--json"],
                      **({"error": result["error"]} if "error" in result else {"result": result})})
-    out = {"workload": base, "targets": TARGETS, "runs": runs, "table": table(runs)}
+    singles = sorted({w for w, *_ in plans} - {"offline"}, key=list(SINGLE).index)
+    out = {"workload": workload_args(args), "targets": TARGETS, "runs": runs, "table": table(runs),
+           **{f"{w}_table": single_table(runs, w) for w in singles}}
     if args.save_result:
         with open(args.save_result, "w") as f:
             json.dump(out, f, indent=1)
@@ -160,6 +217,10 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
 
 def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
     return "" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _not_run(row: dict[str, Any]) -> str:
+    return f"skipped: {row['skipped']}" if "skipped" in row else f"failed: {row['error']}"
 
 
 def report(out: dict[str, Any], as_json: bool) -> None:
@@ -171,8 +232,7 @@ def report(out: dict[str, Any], as_json: bool) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for row in out["table"]:
         if "total_tokens_per_second" not in row:
-            print(f"| {row['name']} | {'skipped: ' + row['skipped'] if 'skipped' in row else 'failed: ' + row['error']}"
-                  " | | | | | |")
+            print(f"| {row['name']} | {_not_run(row)} | | | | | |")
             continue
         floor = row.get("compute_floor_fraction")
         floor_s = _fmt(100 * floor if floor is not None else None, ".1f", "%")
@@ -185,3 +245,15 @@ def report(out: dict[str, Any], as_json: bool) -> None:
     t = out["targets"]
     print(f"targets: {t['hf']:g}x HF, {t['llamacpp']:g}x llama.cpp, {100 * t['floor']:.0f}% of the compute floor "
           "(float32 models)")
+    for workload, (_, key, label) in SINGLE.items():
+        rows = out.get(f"{workload}_table")
+        if not rows:
+            continue
+        print(f"\n{label}:\n| run | {key.replace('_', ' ')} | over llama.cpp |\n|---|---:|---:|")
+        for row in rows:
+            if key not in row:
+                print(f"| {row['name']} | {_not_run(row)} | |")
+            else:
+                print(f"| {row['name']} | {_fmt(row[key], '.1f')} | {_fmt(row.get('over_llamacpp'), '.2f', 'x')} |")
+    if out.get("prompt_table"):
+        print(f"target: one prompt at {t['prompt_over_llamacpp']:g}x llama.cpp")

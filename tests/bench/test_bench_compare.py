@@ -18,29 +18,39 @@ def parse(*argv: str) -> Any:
     return build_parser().parse_args(["bench", "compare", *argv])
 
 
-def test_plans_the_issues_workload_and_peers_first(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plans_the_issues_workloads_and_peers_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compare.importlib.util, "find_spec", lambda name: object())  # llama-cpp-python present
     args = parse()
     assert compare.workload_args(args) == ["--dataset", "random", "--num-prompts", "128", "--input-len", "64:512",
                                            "--prefix-len", "1024", "--output-len", "128", "--seed", "0"]
+    assert compare.workload_args(args, "stream") == ["--num-prompts", "1", "--input-len", "16:16", "--output-len",
+                                                     "129", "--seed", "0"]
     runs = compare.planned_runs(args)
-    assert [argv for _, argv, _ in runs] == [
-        ["--backend", "hf", "--hf-batch-size", "32", "--dtype", "bfloat16"],
-        ["--backend", "llamacpp", "--llamacpp-parallel", "16"],
-        [], ["--quantization", "q4_1"]]
-    args = parse("--peers", "", "--pagoda=--kv-cache-prefault", "--pagoda", "--quantization q4_1 --kv-cache-dtype int8",
-                 "--model", "m.gguf")
-    assert [argv for _, argv, _ in compare.planned_runs(args)] == [
+    single = ["--backend", "llamacpp", "--llamacpp-parallel", "1", "--llamacpp-batch", "512"]
+    assert [(workload, argv) for workload, _, argv, _ in runs] == [
+        ("offline", ["--backend", "hf", "--hf-batch-size", "32", "--dtype", "bfloat16"]),
+        ("offline", ["--backend", "llamacpp", "--llamacpp-parallel", "16"]),
+        ("offline", []), ("offline", ["--quantization", "q4_1"]),
+        ("stream", single), ("stream", []), ("stream", ["--quantization", "q4_1"]),
+        ("prompt", single), ("prompt", []), ("prompt", ["--quantization", "q4_1"])]
+    args = parse("--peers", "", "--also", "", "--pagoda=--kv-cache-prefault", "--pagoda",
+                 "--quantization q4_1 --kv-cache-dtype int8", "--model", "m.gguf")
+    assert [argv for _, _, argv, _ in compare.planned_runs(args)] == [
         ["--kv-cache-prefault"], ["--quantization", "q4_1", "--kv-cache-dtype", "int8"]]
     assert compare.workload_args(args)[-2:] == ["--model", "m.gguf"]
 
 
 def test_a_missing_peer_is_skipped_with_the_reason_and_an_unknown_one_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compare.importlib.util, "find_spec", lambda name: None)
-    name, argv, skipped = compare.planned_runs(parse("--peers", "llamacpp"))[0]
-    assert name.startswith("llama.cpp") and argv is None and "llama-cpp-python is not installed" in str(skipped)
+    runs = compare.planned_runs(parse("--peers", "llamacpp", "--also", "prompt"))
+    skipped = [(workload, name, reason) for workload, name, argv, reason in runs if argv is None]
+    assert [(w, n) for w, n, _ in skipped] == [("offline", "llama.cpp, 16 parallel sequences"),
+                                               ("prompt", "llama.cpp, one sequence")]
+    assert all("llama-cpp-python is not installed" in str(reason) for *_, reason in skipped)
     with pytest.raises(ValueError, match="--peers takes hf and llamacpp; got vllm"):
         compare.planned_runs(parse("--peers", "hf,vllm"))
+    with pytest.raises(ValueError, match="--also takes stream and prompt; got decode"):
+        compare.planned_runs(parse("--also", "decode"))
 
 
 def test_a_bad_workload_fails_once_before_any_run(capsys: pytest.CaptureFixture[str]) -> None:
@@ -52,6 +62,19 @@ def test_a_bad_workload_fails_once_before_any_run(capsys: pytest.CaptureFixture[
 def result(backend: str, tps: float, **extra: Any) -> dict[str, Any]:
     return {"backend": backend, "total_tokens_per_second": tps, "elapsed_s": 1.0,
             "ttft_s": {"mean": 0.5, "median": 0.5, "p90": 0.9, "p99": 1.0}, **extra}
+
+
+def test_single_request_tables_compare_with_llamacpp() -> None:
+    runs = [{"workload": "offline", "name": "hf", "result": result("hf", 100.0)},
+            {"workload": "prompt", "name": "llama.cpp",
+             "result": result("llamacpp", 1.0, prompt_tokens_per_second=300.0)},
+            {"workload": "prompt", "name": "default", "result": result("pagoda", 2.0, prompt_tokens_per_second=750.0)},
+            {"workload": "prompt", "name": "bad", "error": "exit status 1: x"}]
+    assert compare.single_table(runs, "prompt") == [
+        {"name": "llama.cpp", "prompt_tokens_per_second": 300.0},
+        {"name": "default", "prompt_tokens_per_second": 750.0, "over_llamacpp": 2.5},
+        {"name": "bad", "error": "exit status 1: x"}]
+    assert [row["name"] for row in compare.table(runs)] == ["hf"]  # the offline table leaves them out
 
 
 def test_table_gives_ratios_to_the_peers_that_ran() -> None:
@@ -78,12 +101,17 @@ def test_compares_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[
     saved = tmp_path / "cmp.json"
     assert main(["bench", "compare", "--model", str(model), "--num-prompts", "3", "--input-len", "4:9",
                  "--output-len", "3", "--peers", "hf", "--hf-batch-size", "2", "--hf-dtype", "float32",
-                 "--pagoda", "--kv-cache-memory 8MiB", "--pagoda", "--kv-cache-dtype nope",
+                 "--pagoda", "--kv-cache-memory 8MiB", "--pagoda", "--kv-cache-dtype nope", "--also", "prompt",
                  "--save-result", str(saved)]) == 0
     out = capsys.readouterr().out
     assert "| HF transformers, float32, batches of 2 |" in out and "failed: exit status 2" in out
+    assert "one 512-token prompt, tokens/s" in out
     data = json.loads(saved.read_text())
-    hf, ok, bad = data["runs"]
+    hf, ok, bad, *prompt_runs = data["runs"]
+    assert [r["workload"] for r in prompt_runs] == ["prompt"] * len(prompt_runs)
+    prompt_ok = next(r for r in prompt_runs if "result" in r and r["result"]["backend"] == "pagoda")
+    assert prompt_ok["result"]["prompt_tokens"] == 512 and prompt_ok["result"]["output_tokens"] == 1
+    assert any(row.get("prompt_tokens_per_second") for row in data["prompt_table"])
     assert hf["result"]["backend"] == "hf" and ok["result"]["backend"] == "pagoda"
     assert hf["result"]["prompt_tokens"] == ok["result"]["prompt_tokens"]  # the same workload
     assert "invalid choice: 'nope'" in bad["error"]
