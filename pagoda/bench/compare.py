@@ -58,7 +58,8 @@ def add_parser(sub: Any) -> None:
                         '(--pagoda="--kv-cache-prefault"; "" for the defaults); repeatable (default: "" and '
                         '"--quantization q4_1")')
     p.add_argument("--peers", default="hf,llamacpp",
-                   help="comma-separated peers to run first: hf, llamacpp ('' for none; default both)")
+                   help="comma-separated peers of the offline comparison, run first: hf, llamacpp ('' for none; "
+                        "default both; the one-request ones of --also always run llama.cpp where it is installed)")
     p.add_argument("--hf-batch-size", type=int, default=32, help="the hf peer's static batch size (default 32)")
     p.add_argument("--hf-dtype", default="bfloat16", help="the hf peer's dtype (default bfloat16)")
     p.add_argument("--llamacpp-parallel", type=int, default=16,
