@@ -143,6 +143,14 @@ def is_float32_run(result: dict[str, Any]) -> bool:
     return opts.get("quantization", "none") in (None, "none") and opts.get("dtype", "auto") in ("auto", "float32")
 
 
+def _row(run: dict[str, Any]) -> dict[str, Any]:
+    """A table row's start: the run's name, and why it has no figures where it has none."""
+    row: dict[str, Any] = {"name": run["name"]}
+    if "result" not in run:
+        row["skipped" if "skipped" in run else "error"] = run.get("skipped") or run.get("error")
+    return row
+
+
 def single_table(runs: list[dict[str, Any]], workload: str) -> list[dict[str, Any]]:
     """One row per run of a one-request workload: its figure (SINGLE) and, for Pagoda's, the ratio to llama.cpp's."""
     key = SINGLE[workload][1]
@@ -150,10 +158,8 @@ def single_table(runs: list[dict[str, Any]], workload: str) -> list[dict[str, An
     peer = next((r["result"].get(key) for r in runs if r.get("result", {}).get("backend") == "llamacpp"), None)
     rows = []
     for r in runs:
-        row: dict[str, Any] = {"name": r["name"]}
-        if "result" not in r:
-            row["skipped" if "skipped" in r else "error"] = r.get("skipped") or r.get("error")
-        else:
+        row = _row(r)
+        if "result" in r:
             row[key] = value = r["result"].get(key)
             if r["result"].get("backend") == "pagoda":
                 row["over_llamacpp"] = value / peer if value and peer else None
@@ -172,10 +178,9 @@ def table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     hf, llamacpp = total("hf"), total("llamacpp")
     rows = []
     for r in runs:
-        row: dict[str, Any] = {"name": r["name"]}
+        row = _row(r)
+        rows.append(row)
         if "result" not in r:
-            row["skipped" if "skipped" in r else "error"] = r.get("skipped") or r.get("error")
-            rows.append(row)
             continue
         res = r["result"]
         tps, ttft = res["total_tokens_per_second"], res.get("ttft_s") or {}
@@ -186,7 +191,6 @@ def table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["over_llamacpp"] = tps / llamacpp if llamacpp else None
             row["compute_floor_fraction"] = res.get("compute_floor_fraction")
             row["floor_target_applies"] = is_float32_run(res)
-        rows.append(row)
     return rows
 
 
