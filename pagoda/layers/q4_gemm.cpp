@@ -33,6 +33,17 @@
 // are too (tests build both on such a CPU, the AVX2 one with PAGODA_NO_VNNI, and compare them).
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(PAGODA_NO_VNNI)
 #define PAGODA_Q4_VNNI 1
+// AMX with bfloat16 tiles (the Xeons since Sapphire Rapids): steps of q4amx::MIN_ROWS rows or more take the Q4_1
+// weights widened to bfloat16 against the rows rounded to bfloat16 (q4amx below); without PAGODA_NO_AMX only.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(PAGODA_NO_AMX)
+#define PAGODA_Q4_AMX 1
+#ifndef PAGODA_Q4_AMX_MIN
+#define PAGODA_Q4_AMX_MIN 64
+#endif
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 #endif
 
@@ -478,6 +489,196 @@ static Rounded round_into_scratch(const float* x, int64_t M, int64_t K, bool sum
   return {xq.data(), scales.data(), scales.data() + blocks, sums ? xsum.data() : nullptr};
 }
 
+#ifdef PAGODA_Q4_AMX
+// Q4_1 on AMX tiles in bfloat16. The int8 arithmetic above needs each block's 16 x 16 integer sums taken out of
+// the tiles and scaled apart (d and m change every 32 weights along K), and on the Xeon that bound `tdpbsud` to
+// 1.2x the VNNI tile (BENCHMARKS.md). Here the weights are widened instead, d * q + m rounded to bfloat16, so a
+// tile's dot products run along all of K without leaving the tiles: `tdpbf16ps` does 16 x 16 x 32 multiply-adds
+// into float32 sums. The rows are rounded to bfloat16 (a relative error up to 2^-9 a value, where int8 blocks have
+// up to 1/254 of the block's largest |x|), the weights too (2^-9 of each), and the sums are float32.
+//
+// A call: x rounded to bfloat16 once (rows padded with zeros to a multiple of 32); each thread takes pairs of
+// 16-column tiles (a gate_up projection fused with its SiLU-and-multiply pairs gate tile t with up tile t + N / 32),
+// a chunk of pairs at a time, widens their weights into its buffer in the tiles' B layout (per tile and block, 16
+// rows of 16 columns' (k, k + 1) pairs: 1 KiB), and runs every 32 rows of x past them: two A tiles (16 rows x 32
+// k), two B, four float32 sums 16 x 16.
+namespace q4amx {
+constexpr int64_t MIN_ROWS = PAGODA_Q4_AMX_MIN;  // the fewest rows of a call that take the tiles
+constexpr int64_t MR = 32;        // rows a pass: two A tiles
+constexpr int64_t CHUNK = 8;      // pairs of tiles widened at a time (256 columns: 288-768 KiB of bfloat16)
+constexpr int64_t B_ELEMS = 16 * 32;  // bfloat16 values of one tile's block (A or B)
+constexpr int64_t PREFETCH = 2;        // blocks ahead that a pass prefetches its tiles' lines
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether the OS lets this process use AMX tile data (Linux asks each process to request it); asked once, when
+// the library loads.
+static const bool granted = [] {
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}();
+
+// Two float32 vectors (values of k and k + 1 for 16 columns) as bfloat16 pairs, k in each lane's low half.
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+  const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+  const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+  return _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+}
+
+// One Q4_1 record (16 columns, 32 k) widened to bfloat16 in the B layout: row j holds (k = 2j, 2j + 1) of each
+// column. The record's row p holds k = 4p + i in its bytes' low nibbles and 16 + 4p + i in their high ones.
+static void widen(const uint8_t* rec, uint16_t* out) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + TILE_BYTES)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + TILE_BYTES + 2 * NR)));
+  const __m512i byte = _mm512_set1_epi32(0xff);
+  for (int p = 0; p < 4; ++p) {
+    const __m512i v = _mm512_loadu_si512(rec + p * 64);
+    for (int half = 0; half < 2; ++half) {
+      const __m512i nib = _mm512_and_si512(half ? _mm512_srli_epi32(v, 4) : v, _mm512_set1_epi32(0x0f0f0f0f));
+      __m512 f[4];
+      for (int i = 0; i < 4; ++i)
+        f[i] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(nib, 8 * i), byte)), m);
+      const int64_t j = half * 8 + 2 * p;  // k = 2j = 16 half + 4p
+      _mm512_storeu_si512(out + j * 32, bf16_pairs(f[0], f[1]));
+      _mm512_storeu_si512(out + (j + 1) * 32, bf16_pairs(f[2], f[3]));
+    }
+  }
+}
+
+// Whether this call takes the tiles.
+static inline bool takes(int64_t M) { return granted && M >= MIN_ROWS; }
+
+// The layer (q4_linear's arguments) on the tiles.
+static void linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                   bool silu_mul) {
+  const int64_t nb = K / QK, mp = (M + MR - 1) / MR * MR;
+  thread_local std::vector<uint16_t> xs;  // x in bfloat16, mp rows (the calling thread's, kept between calls)
+  if (int64_t(xs.size()) < mp * K) xs.resize(mp * K);
+  uint16_t* xb = xs.data();
+  const int64_t tiles = N / NR, pairs = silu_mul ? tiles / 2 : (tiles + 1) / 2, yn = silu_mul ? N / 2 : N;
+#pragma omp parallel
+  {
+    // x in the A tiles' order: per 16 rows and block, the tile's 16 rows of 32 values (1 KiB, one contiguous load)
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < mp; ++r) {
+      uint16_t* o = xb + (r / 16 * nb * 16 + r % 16) * QK;  // row r of its group's first tile
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int64_t h = 0; h < QK; h += 16) {
+          const __m256i v = r < M ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * K + b * QK + h))
+                                  : _mm256_setzero_si256();
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + b * 16 * QK + h), v);
+        }
+      }
+    }
+    alignas(64) TileConfig saved;
+    _tile_storeconfig(&saved);  // oneDNN's matmuls use the tiles on these threads too: theirs is put back after
+    TileConfig cfg;
+    for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+    std::vector<uint16_t> wb(CHUNK * 2 * nb * B_ELEMS);  // this thread's chunk of widened tiles
+    alignas(64) float c[MR * 32];                         // a pass's sums: 32 rows of the pair's 32 columns
+    // the pairs, split between the threads as `omp for schedule(static)` would
+    const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t per = pairs / nt, extra = pairs % nt;
+    const int64_t p0 = id * per + std::min<int64_t>(id, extra), p1 = p0 + per + (id < extra ? 1 : 0);
+    for (int64_t c0 = p0; c0 < p1; c0 += CHUNK) {
+      const int64_t c1 = std::min(p1, c0 + CHUNK);
+      // the chunk's tiles: pair q's first tile and second (absent where N has an odd number of tiles)
+      const auto tile_of = [&](int64_t q, int side) { return silu_mul ? q + side * pairs : 2 * q + side; };
+      for (int64_t q = c0; q < c1; ++q)
+        for (int side = 0; side < 2; ++side) {
+          const int64_t t = tile_of(q, side);
+          if (t >= tiles) continue;
+          for (int64_t b = 0; b < nb; ++b)
+            widen(w + (t * nb + b) * RECORD_Q4, wb.data() + (((q - c0) * 2 + side) * nb + b) * B_ELEMS);
+        }
+      for (int64_t r0 = 0; r0 < mp; r0 += MR) {
+        const uint16_t* a = xb + r0 * K;  // rows r0 .. r0 + 15, then r0 + 16 .. r0 + 31 (nb * 16 * QK further)
+        for (int64_t q = c0; q < c1; ++q) {
+          const uint16_t* b0 = wb.data() + ((q - c0) * 2) * nb * B_ELEMS;
+          const uint16_t* b1 = b0 + nb * B_ELEMS;
+          const bool second = tile_of(q, 1) < tiles;
+          _tile_zero(4);
+          _tile_zero(5);
+          _tile_zero(6);
+          _tile_zero(7);
+          for (int64_t b = 0; b < nb; ++b) {
+            if (b + PREFETCH < nb) {  // the hardware prefetcher alone left the tiles waiting on L2 (BENCHMARKS.md)
+              for (int64_t l = 0; l < 16; ++l) {
+                _mm_prefetch(reinterpret_cast<const char*>(a + (b + PREFETCH) * B_ELEMS + l * 32), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(a + (nb + b + PREFETCH) * B_ELEMS + l * 32), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(b0 + (b + PREFETCH) * B_ELEMS + l * 32), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(b1 + (b + PREFETCH) * B_ELEMS + l * 32), _MM_HINT_T0);
+              }
+            }
+            _tile_loadd(0, a + b * B_ELEMS, 64);
+            _tile_loadd(1, a + (nb + b) * B_ELEMS, 64);
+            _tile_loadd(2, b0 + b * B_ELEMS, 64);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(6, 1, 2);
+            if (second) {
+              _tile_loadd(3, b1 + b * B_ELEMS, 64);
+              _tile_dpbf16ps(5, 0, 3);
+              _tile_dpbf16ps(7, 1, 3);
+            }
+          }
+          _tile_stored(4, c, 128);
+          _tile_stored(5, c + 16, 128);
+          _tile_stored(6, c + 16 * 32, 128);
+          _tile_stored(7, c + 16 * 32 + 16, 128);
+          const int64_t t0 = tile_of(q, 0), t1 = tile_of(q, 1);
+          const __m512 bias0 = bias ? _mm512_loadu_ps(bias + t0 * NR) : _mm512_setzero_ps();
+          const __m512 bias1 = bias && second ? _mm512_loadu_ps(bias + t1 * NR) : _mm512_setzero_ps();
+          const int64_t rows = std::min<int64_t>(MR, M - r0);
+          for (int64_t r = 0; r < rows; ++r) {
+            const __m512 g = _mm512_add_ps(_mm512_load_ps(c + r * 32), bias0);
+            const __m512 u = _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), bias1);
+            float* yr = y + (r0 + r) * yn;
+            if (silu_mul) {
+              vf xv[1];
+              std::memcpy(&xv[0], &g, sizeof(vf));
+              silu<1>(xv);
+              vf up;
+              std::memcpy(&up, &u, sizeof(vf));
+              const vf out = xv[0] * up;
+              std::memcpy(yr + t0 * NR, &out, sizeof(vf));
+            } else {
+              _mm512_storeu_ps(yr + t0 * NR, g);
+              if (second) _mm512_storeu_ps(yr + t1 * NR, u);
+            }
+          }
+        }
+      }
+    }
+    _tile_loadconfig(&saved);
+  }
+}
+}  // namespace q4amx
+#endif
+
+// 1 if this library's Q4_1 layers take AMX tiles in bfloat16 for steps of q4amx::MIN_ROWS rows or more (a CPU with
+// AMX, a compiler targeting it, the OS granting the process its tile data), else 0.
+extern "C" int pagoda_q4_amx() {
+#ifdef PAGODA_Q4_AMX
+  return q4amx::granted ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// The fewest rows of a call that take the AMX tiles where pagoda_q4_amx() is 1.
+extern "C" int64_t pagoda_q4_amx_min_rows() {
+#ifdef PAGODA_Q4_AMX
+  return q4amx::MIN_ROWS;
+#else
+  return 0;
+#endif
+}
+
 // A Q4_1 layer in one call: x (M, K) float32, w (N / NR, K / QK, RECORD_Q4) bytes, bias (N) float32 or null, y
 // (M, N) float32; N a multiple of NR, K of QK. One call a layer, not one to round and one to multiply with the
 // rounded rows in tensors: 1.7-2.1x faster at 1 row (BENCHMARKS.md). The GEMV's signature (gemv.cpp): the
@@ -485,6 +686,12 @@ static Rounded round_into_scratch(const float* x, int64_t M, int64_t K, bool sum
 // silu_mul: fused with the SiLU-and-multiply of the output's halves, y (M, N / 2) (for_each_tile_pair_silu_mul).
 static void q4_linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
                       bool silu_mul) {
+#ifdef PAGODA_Q4_AMX
+  if (q4amx::takes(M)) {
+    q4amx::linear(x, w, bias, y, M, N, K, silu_mul);
+    return;
+  }
+#endif
   const int64_t nb = K / QK;
   const Rounded a = round_into_scratch(x, M, K);
   for_each_tile_or_pair<ROWS_TILE>(M, N, y, silu_mul, [&](int64_t t, int64_t m, auto rows, float* out, int64_t stride) {

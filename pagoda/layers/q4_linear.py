@@ -47,11 +47,12 @@ _SOURCE = Path(__file__).with_name("q4_gemm.cpp")
 
 
 @functools.cache
-def q4_library(portable: bool = False, rev: str | None = None, no_vnni: bool = False) -> Any:
+def q4_library(portable: bool = False, rev: str | None = None, no_vnni: bool = False, no_amx: bool = False) -> Any:
     """The compiled kernels; portable: the plain C++ sums, without AVX2 intrinsics (tests compare the two); rev:
     the kernels as of that git revision (`bench.q4_linear --versus-rev`); no_vnni: the AVX2 instructions even
-    where AVX-512 VNNI is (tests compare the two)."""
-    defines = ({"PORTABLE": 1} if portable else {}) | ({"NO_VNNI": 1} if no_vnni else {})
+    where AVX-512 VNNI is (tests compare the two); no_amx: the VNNI tiles even where AMX is (the same)."""
+    defines = ({"PORTABLE": 1} if portable else {}) | ({"NO_VNNI": 1} if no_vnni else {}) | (
+        {"NO_AMX": 1} if no_amx else {})
     lib = load_library(_SOURCE, defines, rev=rev)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_q8_quantize.argtypes = [ptr] * 4 + [i64] * 2
@@ -65,7 +66,18 @@ def q4_library(portable: bool = False, rev: str | None = None, no_vnni: bool = F
     lib.pagoda_q8_linear.argtypes = [ptr] * 4 + [i64] * 3
     lib.pagoda_q8_linear.restype = None
     lib.pagoda_q4_vectorized.restype = ctypes.c_int
+    if hasattr(lib, "pagoda_q4_amx"):  # revisions before it lack it
+        lib.pagoda_q4_amx.restype = ctypes.c_int
+        lib.pagoda_q4_amx_min_rows.restype = ctypes.c_int64
     return lib
+
+
+def amx_min_rows(lib: Any) -> int:
+    """The fewest rows of a call that the library's Q4_1 kernel runs on AMX tiles in bfloat16 (q4_gemm.cpp, q4amx),
+    or 0 where it never does (no AMX, a build without it, or the OS refusing the process its tile data)."""
+    if not hasattr(lib, "pagoda_q4_amx") or not lib.pagoda_q4_amx():
+        return 0
+    return int(lib.pagoda_q4_amx_min_rows())
 
 
 def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

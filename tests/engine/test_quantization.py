@@ -9,6 +9,8 @@ into noise of their own. Measured when this was written (the lm_head still float
 299 positions of text: transformers with the reference arithmetic against float32 0.109 (93.6% same top-1), the
 engine's q4_1 against float32 0.116 (95.7%), and the two q4_1 sides against each other 0.140 (93.3%): as far
 apart as two independent roundings. (bfloat16 weights and activations, for scale: 97% same top-1, BENCHMARKS.md.)
+Where the CPU has AMX tiles, Q4_1 steps of 64 rows or more (the 299-token prompt here) compute in bfloat16
+instead (q4_gemm.cpp, q4amx), and the reference follows: both sides then sit ~0.03 from float32.
 
 `quantization="q8_0"` (8-bit weights for every linear) is checked the same way, layer by layer and for its distance
 from float32 (test_q8_0_on_the_default_model)."""
@@ -23,24 +25,40 @@ from torch import nn
 
 from pagoda import LLM
 from pagoda.bench.kv_accuracy import prompt_scores
-from pagoda.layers.q4_linear import Q4Linear, Q8Linear, is_quantized, packed_of, quantize_q4_1, quantize_q8_0
+from pagoda.layers.q4_linear import (
+    Q4Linear,
+    Q8Linear,
+    amx_min_rows,
+    is_quantized,
+    packed_of,
+    q4_library,
+    quantize_q4_1,
+    quantize_q8_0,
+)
 from pagoda.model.loader import resolve_model_path
 from tests.engine.test_smollm2 import corpus_text
-from tests.layers.test_q4_linear import reference_linear, reference_q8_linear
+from tests.layers.test_q4_linear import reference_bf16_linear, reference_linear, reference_q8_linear
 
 TOKENS = 300
 
 
 def reference_forward(layer: nn.Linear, lm_head: bool = False) -> Any:
-    """The float64 reference of the layer's arithmetic under q4_1: Q8_0 weights for the lm_head, Q4_1 else."""
+    """The float64 reference of the layer's arithmetic under q4_1: Q8_0 weights for the lm_head, Q4_1 else, and
+    for Q4_1 steps of amx_min_rows rows or more on a CPU with AMX tiles, the tiles' bfloat16 arithmetic."""
     if lm_head:
         q8, d8 = quantize_q8_0(layer.weight)
     else:
         q, d, m = quantize_q4_1(layer.weight)
+    amx_rows = amx_min_rows(q4_library())
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).float()
-        y = reference_q8_linear(x2, q8, d8, layer.bias) if lm_head else reference_linear(x2, q, d, m, layer.bias)
+        if lm_head:
+            y = reference_q8_linear(x2, q8, d8, layer.bias)
+        elif amx_rows and x2.shape[0] >= amx_rows:
+            y = reference_bf16_linear(x2, q, d, m, layer.bias)
+        else:
+            y = reference_linear(x2, q, d, m, layer.bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
     return forward
@@ -97,8 +115,8 @@ def test_q4_1_on_the_default_model() -> None:
 
     ref_change, ref_agree = change(scores(hf_q4), scores(hf_float))
     q4_change, q4_agree = change(engine_scores(q4), engine_scores(plain))
-    # the reference's own distance from float32 is 0.109 (93.6% top-1): a layer left in float32 or quantized
-    # wrongly would move the engine's far from it
+    # the reference's own distance from float32 is 0.109 (93.6% top-1) in int8 activations, 0.03 in the AMX tiles'
+    # bfloat16: a layer left in float32 or quantized wrongly would move the engine's far from it
     assert 0.6 * ref_change < q4_change < 1.6 * ref_change, (q4_change, ref_change)
     assert q4_agree >= 0.9, (q4_agree, ref_agree)
 

@@ -35,6 +35,15 @@ def reference_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch
     return y if bias is None else y + bias.double()
 
 
+def reference_bf16_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """The AMX tiles' arithmetic for Q4_1 (steps of amx_min_rows rows or more where the CPU has AMX): x and the
+    weights d * q + m rounded to bfloat16, their products summed in float64."""
+    w = dequantize_q4_1(q, d, m).bfloat16().double()
+    y = x.bfloat16().double() @ w.T
+    return y if bias is None else y + bias.double()
+
+
 def reference_q8_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Q8_0 weights: sum over blocks of d * dx * sum(q xq), in float64."""
     xq, dx, _ = q8_reference(x)
@@ -125,6 +134,35 @@ def test_vnni_and_avx2_kernels_give_the_same_outputs(layer_type: type) -> None:
         assert torch.equal(a(x), b(x))
 
 
+def test_amx_tiles_against_the_bfloat16_reference() -> None:
+    """Where the CPU has AMX, Q4_1 steps of amx_min_rows rows or more run on bfloat16 tiles: against the float64
+    reference of that arithmetic within float32 summation (every shape class: an odd number of 16-column tiles, K of
+    one and of many blocks, rows padded to 32, a bias or none), and more accurate than the int8 activations against
+    the exact product; fewer rows are the VNNI kernel's, bit for bit; a build without AMX never takes the tiles."""
+    lib, plain = q4_linear.q4_library(), q4_linear.q4_library(no_amx=True)
+    assert q4_linear.amx_min_rows(plain) == 0
+    least = q4_linear.amx_min_rows(lib)
+    if not least:
+        pytest.skip("no AMX tiles here (CPU, compiler target or OS): the VNNI or AVX2 kernels take every step")
+    g = torch.Generator().manual_seed(11)
+    for n, k in ((48, 64), (960, 576), (576, 1536)):
+        w = torch.randn(n, k, generator=g) * 0.05
+        q, d, m = quantize_q4_1(w)
+        exact_w = dequantize_q4_1(q, d, m).double()
+        for bias in (None, torch.randn(n, generator=g)):
+            tiles, vnni = Q4Linear(w, bias, lib), Q4Linear(w, bias, plain)
+            for rows in (least - 1, least, least + 1, 100, 300):
+                x = torch.randn(rows, k, generator=g) * 4
+                y = tiles(x)
+                if rows < least:
+                    assert torch.equal(y, vnni(x))
+                    continue
+                want = reference_bf16_linear(x, q, d, m, bias)
+                torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+                exact = x.double() @ exact_w.T + (0 if bias is None else bias.double())
+                assert (y.double() - exact).abs().mean() < (vnni(x).double() - exact).abs().mean()
+
+
 @pytest.mark.parametrize("layer_type", [Q4Linear, Q8Linear])
 @pytest.mark.parametrize("build", ["vnni", "avx2", "portable"])
 def test_gate_up_fused_with_silu_mul_gives_the_same_bits(build: str, layer_type: type) -> None:
@@ -141,7 +179,7 @@ def test_gate_up_fused_with_silu_mul_gives_the_same_bits(build: str, layer_type:
         w = torch.randn(2 * i, k, generator=g) * 0.1
         for bias in (None, torch.randn(2 * i, generator=g)):
             layer = layer_type(w, bias, lib)
-            for rows in (*range(1, 10), 64):
+            for rows in (*range(1, 10), 64, 100):  # 64 and 100: AMX tiles where the CPU has them (Q4_1)
                 x = torch.randn(rows, k, generator=g) * 3  # SiLU on both sides of 0, some saturating
                 full = layer(x)
                 assert torch.equal(layer.silu_mul(x), ops.silu_mul(full[:, :i], full[:, i:]))
