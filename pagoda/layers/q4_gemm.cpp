@@ -34,7 +34,7 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(PAGODA_NO_VNNI)
 #define PAGODA_Q4_VNNI 1
 // AMX with bfloat16 tiles (the Xeons since Sapphire Rapids): steps of q4amx::MIN_ROWS rows or more take the Q4_1
-// weights widened to bfloat16 against the rows rounded to bfloat16 (q4amx below); without PAGODA_NO_AMX only.
+// and Q8_0 weights widened to bfloat16 against the rows rounded to bfloat16 (q4amx below); not with PAGODA_NO_AMX.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(PAGODA_NO_AMX)
 #define PAGODA_Q4_AMX 1
 #ifndef PAGODA_Q4_AMX_MIN
@@ -490,9 +490,9 @@ static Rounded round_into_scratch(const float* x, int64_t M, int64_t K, bool sum
 }
 
 #ifdef PAGODA_Q4_AMX
-// Q4_1 on AMX tiles in bfloat16. The int8 arithmetic above needs each block's 16 x 16 integer sums taken out of
-// the tiles and scaled apart (d and m change every 32 weights along K), and on the Xeon that bound `tdpbsud` to
-// 1.2x the VNNI tile (BENCHMARKS.md). Here the weights are widened instead, d * q + m rounded to bfloat16, so a
+// Q4_1 and Q8_0 on AMX tiles in bfloat16. The int8 arithmetic above needs each block's 16 x 16 integer sums taken
+// out of the tiles and scaled apart (d and m change every 32 weights along K), and on the Xeon that bound `tdpbsud`
+// to 1.2x the VNNI tile (BENCHMARKS.md). Here the weights are widened instead, d * q + m rounded to bfloat16, so a
 // tile's dot products run along all of K without leaving the tiles: `tdpbf16ps` does 16 x 16 x 32 multiply-adds
 // into float32 sums. The rows are rounded to bfloat16 (a relative error up to 2^-9 a value, where int8 blocks have
 // up to 1/254 of the block's largest |x|), the weights too (2^-9 of each), and the sums are float32.
@@ -549,10 +549,24 @@ static void widen(const uint8_t* rec, uint16_t* out) {
   }
 }
 
+// The same for a Q8_0 record (16 columns, 32 k): its row g holds k = 4g + i, signed bytes, then 16 d.
+static void widen_q8(const uint8_t* rec, uint16_t* out) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + TILE_BYTES_Q8)));
+  for (int g = 0; g < 8; ++g) {
+    const __m512i v = _mm512_loadu_si512(rec + g * 64);
+    __m512 f[4];
+    for (int i = 0; i < 4; ++i)  // byte i of each lane, sign-extended
+      f[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24)));
+    _mm512_storeu_si512(out + 2 * g * 32, bf16_pairs(f[0], f[1]));
+    _mm512_storeu_si512(out + (2 * g + 1) * 32, bf16_pairs(f[2], f[3]));
+  }
+}
+
 // Whether this call takes the tiles.
 static inline bool takes(int64_t M) { return granted && M >= MIN_ROWS; }
 
-// The layer (q4_linear's arguments) on the tiles.
+// The layer (q4_linear's arguments, or q8_linear's with widen_q8 and RECORD_Q8) on the tiles.
+template <void (*Widen)(const uint8_t*, uint16_t*), int64_t Record>
 static void linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
                    bool silu_mul) {
   const int64_t nb = K / QK, mp = (M + MR - 1) / MR * MR;
@@ -594,7 +608,7 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
           const int64_t t = tile_of(q, side);
           if (t >= tiles) continue;
           for (int64_t b = 0; b < nb; ++b)
-            widen(w + (t * nb + b) * RECORD_Q4, wb.data() + (((q - c0) * 2 + side) * nb + b) * B_ELEMS);
+            Widen(w + (t * nb + b) * Record, wb.data() + (((q - c0) * 2 + side) * nb + b) * B_ELEMS);
         }
       for (int64_t r0 = 0; r0 < mp; r0 += MR) {
         const uint16_t* a = xb + r0 * K;  // rows r0 .. r0 + 15, then r0 + 16 .. r0 + 31 (nb * 16 * QK further)
@@ -688,7 +702,7 @@ static void q4_linear(const float* x, const uint8_t* w, const float* bias, float
                       bool silu_mul) {
 #ifdef PAGODA_Q4_AMX
   if (q4amx::takes(M)) {
-    q4amx::linear(x, w, bias, y, M, N, K, silu_mul);
+    q4amx::linear<q4amx::widen, RECORD_Q4>(x, w, bias, y, M, N, K, silu_mul);
     return;
   }
 #endif
@@ -718,6 +732,12 @@ extern "C" void pagoda_q4_linear_silu_mul(const void* x, const void* w, const vo
 // SiLU-and-multiply of its output's halves, as pagoda_q4_linear_silu_mul.
 static void q8_linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
                       bool silu_mul) {
+#ifdef PAGODA_Q4_AMX
+  if (q4amx::takes(M)) {
+    q4amx::linear<q4amx::widen_q8, RECORD_Q8>(x, w, bias, y, M, N, K, silu_mul);
+    return;
+  }
+#endif
   const int64_t nb = K / QK;
 #ifdef PAGODA_Q4_VNNI
   const Rounded a = round_into_scratch(x, M, K, true);  // with the blocks' sums of xq, the tile's correction

@@ -44,7 +44,7 @@ TOKENS = 300
 
 def reference_forward(layer: nn.Linear, lm_head: bool = False) -> Any:
     """The float64 reference of the layer's arithmetic under q4_1: Q8_0 weights for the lm_head, Q4_1 else, and
-    for Q4_1 steps of amx_min_rows rows or more on a CPU with AMX tiles, the tiles' bfloat16 arithmetic."""
+    for steps of amx_min_rows rows or more on a CPU with AMX tiles, the tiles' bfloat16 arithmetic."""
     if lm_head:
         q8, d8 = quantize_q8_0(layer.weight)
     else:
@@ -53,9 +53,11 @@ def reference_forward(layer: nn.Linear, lm_head: bool = False) -> Any:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).float()
+        tiles = bool(amx_rows) and x2.shape[0] >= amx_rows
         if lm_head:
-            y = reference_q8_linear(x2, q8, d8, layer.bias)
-        elif amx_rows and x2.shape[0] >= amx_rows:
+            y = (reference_bf16_linear(x2, q8, d8, None, layer.bias) if tiles
+                 else reference_q8_linear(x2, q8, d8, layer.bias))
+        elif tiles:
             y = reference_bf16_linear(x2, q, d, m, layer.bias)
         else:
             y = reference_linear(x2, q, d, m, layer.bias)

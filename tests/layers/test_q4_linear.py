@@ -14,6 +14,11 @@ from pagoda.layers import linear, q4_linear
 from pagoda.layers.q4_linear import QK, Q4Linear, Q8Linear, dequantize_q4_1, quantize_q4_1, quantize_q8_0
 
 
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    return (d[..., None] * q.reshape(n, k // QK, QK).float()).reshape(n, k)
+
+
 def q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The activation rounding of q4_gemm.cpp in torch ops: per block of 32, xq = round(x * (127 / max |x|)) with
     ties to even, dx = max |x| / 127, sx = the block's sum. 127 / max |x| is one float32 division, as the kernel's:
@@ -35,11 +40,11 @@ def reference_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch
     return y if bias is None else y + bias.double()
 
 
-def reference_bf16_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+def reference_bf16_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                           bias: torch.Tensor | None) -> torch.Tensor:
-    """The AMX tiles' arithmetic for Q4_1 (steps of amx_min_rows rows or more where the CPU has AMX): x and the
-    weights d * q + m rounded to bfloat16, their products summed in float64."""
-    w = dequantize_q4_1(q, d, m).bfloat16().double()
+    """The AMX tiles' arithmetic (steps of amx_min_rows rows or more where the CPU has AMX): x and the weights, Q4_1's
+    d * q + m or Q8_0's d * q (m None), rounded to bfloat16, their products summed in float64."""
+    w = (dequantize_q4_1(q, d, m) if m is not None else dequantize_q8_0(q, d)).bfloat16().double()
     y = x.bfloat16().double() @ w.T
     return y if bias is None else y + bias.double()
 
@@ -134,11 +139,13 @@ def test_vnni_and_avx2_kernels_give_the_same_outputs(layer_type: type) -> None:
         assert torch.equal(a(x), b(x))
 
 
-def test_amx_tiles_against_the_bfloat16_reference() -> None:
-    """Where the CPU has AMX, Q4_1 steps of amx_min_rows rows or more run on bfloat16 tiles: against the float64
-    reference of that arithmetic within float32 summation (every shape class: an odd number of 16-column tiles, K of
-    one and of many blocks, rows padded to 32, a bias or none), and more accurate than the int8 activations against
-    the exact product; fewer rows are the VNNI kernel's, bit for bit; a build without AMX never takes the tiles."""
+@pytest.mark.parametrize("layer_type", [Q4Linear, Q8Linear])
+def test_amx_tiles_against_the_bfloat16_reference(layer_type: type) -> None:
+    """Where the CPU has AMX, Q4_1 and Q8_0 steps of amx_min_rows rows or more run on bfloat16 tiles: against the
+    float64 reference of that arithmetic within float32 summation (every shape class: an odd number of 16-column
+    tiles, K of one and of many blocks, rows padded to 32, a bias or none), and more accurate than the int8
+    activations against the exact product; fewer rows are the VNNI kernel's, bit for bit; a build without AMX never
+    takes the tiles."""
     lib, plain = q4_linear.q4_library(), q4_linear.q4_library(no_amx=True)
     assert q4_linear.amx_min_rows(plain) == 0
     least = q4_linear.amx_min_rows(lib)
@@ -147,10 +154,10 @@ def test_amx_tiles_against_the_bfloat16_reference() -> None:
     g = torch.Generator().manual_seed(11)
     for n, k in ((48, 64), (960, 576), (576, 1536)):
         w = torch.randn(n, k, generator=g) * 0.05
-        q, d, m = quantize_q4_1(w)
-        exact_w = dequantize_q4_1(q, d, m).double()
+        q, d, m = quantize_q4_1(w) if layer_type is Q4Linear else (*quantize_q8_0(w), None)
+        exact_w = (dequantize_q4_1(q, d, m) if m is not None else dequantize_q8_0(q, d)).double()
         for bias in (None, torch.randn(n, generator=g)):
-            tiles, vnni = Q4Linear(w, bias, lib), Q4Linear(w, bias, plain)
+            tiles, vnni = layer_type(w, bias, lib), layer_type(w, bias, plain)
             for rows in (least - 1, least, least + 1, 100, 300):
                 x = torch.randn(rows, k, generator=g) * 4
                 y = tiles(x)
