@@ -45,6 +45,8 @@ def test_cpp_backend_matches_reference(dtype: torch.dtype, tol: float, storage: 
 
     calls = []
     monkeypatch.setattr(cpp, "paged_decode", lambda *a: calls.append(1) or paged_decode(*a))
+    # prompts in the loop kernel: the AMX one (bfloat16 arithmetic) has tests of its own
+    monkeypatch.setattr(cpp, "AMX_PREFILL", False)
     storage_dtype = {"model": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16,
                      "float16": torch.float16}[storage.split()[0]]
     spec = KVCacheSpec(storage_dtype, *storage.split()[1:])
@@ -72,11 +74,15 @@ def _int8_dot(spec: KVCacheSpec) -> bool:
 
 
 @pytest.mark.parametrize("granularity", ["token", "block"])
-def test_int8_dot_rounds_far_less_than_int8(granularity: str) -> None:
+def test_int8_dot_rounds_far_less_than_int8(granularity: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Integer dot products over an int8 cache round the queries to 16-bit fixed point and the weights of V's rows
     to 15-bit (each against its largest magnitude). What that adds to the kernel's outputs (against the float64
     reference over the same int8 cache) stays under 1/100 of what storing K and V in int8 costs (that reference
-    against a float64 cache): measured 3.1-4.6e-5 against 0.8-1.4e-2 of the outputs' norm."""
+    against a float64 cache): measured 3.1-4.6e-5 against 0.8-1.4e-2 of the outputs' norm. (Prompts in the loop
+    kernel: on AMX they take bfloat16 tiles, test_amx_prompts_over_int8_add_little_to_int8.)"""
+    import pagoda.layers.attention.cpp as cpp
+
+    monkeypatch.setattr(cpp, "AMX_PREFILL", False)
     spec = KVCacheSpec(torch.int8, granularity)
     if not _int8_dot(spec):
         pytest.skip("this CPU has no AVX-512 VNNI and VBMI: int8 scores in float32 (the other tests cover them)")
@@ -87,6 +93,27 @@ def test_int8_dot_rounds_far_less_than_int8(granularity: str) -> None:
         kernel = float((o.double() - r).norm() / r.norm())
         int8 = float((r - e).norm() / e.norm())
         assert 0 < kernel < int8 / 100, (kernel, int8)
+
+
+def test_amx_prompts_over_int8_add_little_to_int8() -> None:
+    """Where the CPU has AMX, a float32 model's prompts over an int8 cache (a scale per token) take the bfloat16
+    tiles: the queries and the softmax weights (times V's scales) rounded to bfloat16, the int8 values exact. What
+    that adds to the outputs stays under a third of what storing K and V in int8 costs (measured 2.3e-3 against
+    8.2e-3 of the outputs' norm on the Xeon: in quadrature 4% more error than the int8 cache's own; with the
+    scales applied before the rounding, 2.9e-3); the decode steps are the integer dot products' (the test above)."""
+    from pagoda.layers.attention.cpp import amx_prefill_available
+    from tests.layers.test_kv_quant import make_cache
+
+    spec = KVCacheSpec(torch.int8, "token")
+    if not amx_prefill_available(make_cache(spec, num_blocks=2, block_size=16, hkv=2, d=64), 8):
+        pytest.skip("no AMX tiles here: int8 prompts in the loop kernel (the tests above)")
+    exact = run_steps(KVCacheSpec(torch.float64), torch.float64, bs=16)
+    stored = run_steps(spec, torch.float64, bs=16)
+    got = run_steps(spec, torch.float32, backend=CppAttentionBackend(), bs=16)
+    for e, r, o in zip(exact, stored, got, strict=True):
+        kernel = float((o.double() - r).norm() / r.norm())
+        int8 = float((r - e).norm() / e.norm())
+        assert 0 < kernel < int8 / 3, (kernel, int8)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3, 40])
@@ -438,21 +465,22 @@ def test_cpp_int8_write_matches_torch_write(source: str) -> None:
 
 @pytest.mark.parametrize(("hkv", "group", "block_size", "d"), [(3, 3, 16, 64), (2, 1, 16, 64), (2, 2, 32, 32),
                                                                  (1, 8, 16, 16), (4, 4, 16, 48), (1, 2, 16, 96)])
-@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8, "bfloat16 amx"])
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8, "bfloat16 amx", "int8 amx"])
 def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: int, d: int,
                                               storage: torch.dtype | str) -> None:
     """Prompts from their start and chunks continuing a context, of lengths that leave the kernels' last tile
     of rows partial (PREFILL_ROWS is 2 to 6 for these head shapes; the AMX kernel's tiles are 16 rows, its
     steps 64 keys), over a cache of scattered blocks, against causal attention in float64 over the same
-    (rounded) cache. The AMX kernel (bfloat16 queries, weights rounded to bfloat16) where this CPU has it
-    and head_dim is a multiple of 32."""
+    (rounded) cache. The AMX kernel (queries and weights rounded to bfloat16; bfloat16 queries over a bfloat16
+    cache, float32 ones over an int8 cache, whose values times their scales it rounds to bfloat16) where this CPU
+    has it and head_dim is a multiple of 32."""
     import torch.nn.functional as F
 
     from pagoda.layers.attention.cpp import amx_prefill_available, paged_prefill, paged_prefill_amx
     from tests.layers.test_kv_quant import make_cache
 
-    amx = storage == "bfloat16 amx"
-    storage = torch.bfloat16 if amx else storage
+    amx = storage in ("bfloat16 amx", "int8 amx")
+    storage = {"bfloat16 amx": torch.bfloat16, "int8 amx": torch.int8}.get(storage, storage)  # type: ignore[arg-type]
     assert isinstance(storage, torch.dtype)
 
     spec = KVCacheSpec(storage, "token") if storage == torch.int8 else KVCacheSpec(storage)
@@ -476,7 +504,7 @@ def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: 
             return
     for seq_len, n in ((300, 300), (37, 37), (300, 7), (150, 2), (17 + block_size, 17), (128, 64), (129, 129)):
         q = torch.randn(n, hkv * group, d, generator=g)
-        if amx:
+        if amx and storage == torch.bfloat16:
             q = q.to(torch.bfloat16)
         got = (paged_prefill_amx if amx else paged_prefill)(q, cache, table, seq_len, d**-0.5)
         keys, values = cache.gather(table, torch.float64)
@@ -491,12 +519,13 @@ def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: 
 
 @pytest.mark.parametrize("sdpa_on_amx", [False, True])
 @pytest.mark.parametrize(("dtype", "storage"), [(torch.float32, "model"), (torch.bfloat16, "model"),
-                                                (torch.bfloat16, "int8")])
+                                                (torch.bfloat16, "int8"), (torch.float32, "int8")])
 def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, sdpa_on_amx: bool,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """run_steps' prompt chunks (fresh ones of 21, 16 and 5 tokens; continued ones of 13 and 9): float32 all
-    to the loop; bfloat16 over a bfloat16 cache all to the AMX kernel (where the CPU has it); otherwise all to
-    the loop where SDPA has no AMX, and where it has, the continued ones to the loop and the fresh ones to SDPA."""
+    """run_steps' prompt chunks (fresh ones of 21, 16 and 5 tokens; continued ones of 13 and 9): bfloat16 over a
+    bfloat16 cache and any dtype over an int8 cache all to the AMX kernel (where the CPU has it); float32 otherwise
+    all to the loop; the rest all to the loop where SDPA has no AMX, and where it has, the continued ones to the
+    loop and the fresh ones to SDPA."""
     import pagoda.layers.attention.cpp as cpp
 
     monkeypatch.setattr(cpp, "SDPA_ON_AMX", sdpa_on_amx)
@@ -512,10 +541,10 @@ def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, sdpa
     run_steps(spec, dtype, backend=CppAttentionBackend(), bs=16)
     chunks = [(21, 21), (16, 16), (13, 29), (5, 5), (9, 15)]
     amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    if dtype == torch.float32:
-        want = [("paged_prefill", *c) for c in chunks]
-    elif storage == "model" and amx:
+    if amx and (storage == "int8" or dtype == torch.bfloat16):
         want = [("paged_prefill_amx", *c) for c in chunks]
+    elif dtype == torch.float32:
+        want = [("paged_prefill", *c) for c in chunks]
     elif not sdpa_on_amx:
         want = [("paged_prefill", *c) for c in chunks]
     else:

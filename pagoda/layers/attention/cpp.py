@@ -72,7 +72,7 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
     if rev is not None and hasattr(lib, "pagoda_paged_decode"):  # revisions before pagoda_paged_decode_rows
         signatures["pagoda_paged_decode"] = [ptr] * 10 + [i64] * 3 + [f32]
     if hasattr(lib, "pagoda_paged_prefill_amx"):  # compiled where the compiler targets AMX, for bfloat16 caches
-        signatures["pagoda_paged_prefill_amx"] = [ptr] * 4 + [i64] * 2 + [ptr, ptr, f32]
+        signatures["pagoda_paged_prefill_amx"] = [ptr] * 6 + [i64] * 2 + [ptr, ptr, f32]
         lib.pagoda_amx_init.restype = ctypes.c_int
     if hasattr(lib, "pagoda_int8_dot"):
         lib.pagoda_int8_dot.restype, lib.pagoda_int8_dot.argtypes = ctypes.c_int, []
@@ -254,9 +254,11 @@ def _prompt_table(block_table: torch.Tensor, kv_cache: PagedKVCache, seq_len: in
 
 
 def amx_prefill_available(kv_cache: PagedKVCache, num_q_heads: int) -> bool:
-    """Whether this cache's library has the AMX prompt kernel (bfloat16 cache without scales, a compiler
-    targeting AMX, the OS granting the process AMX tile data)."""
-    if kv_cache.k.dtype != torch.bfloat16 or kv_cache.k_scale is not None or not AMX_PREFILL:
+    """Whether this cache's library has the AMX prompt kernel (a bfloat16 cache without scales or an int8 one with a
+    scale per token, a compiler targeting AMX, the OS granting the process AMX tile data)."""
+    bf16 = kv_cache.k.dtype == torch.bfloat16 and kv_cache.k_scale is None
+    int8 = kv_cache.k.dtype == torch.int8 and kv_cache.spec.scale_granularity == "token"
+    if not (bf16 or int8) or not AMX_PREFILL:
         return False
     lib = _library_for(kv_cache, num_q_heads)
     return hasattr(lib, "pagoda_paged_prefill_amx") and _amx_granted(lib)
@@ -269,18 +271,19 @@ def _amx_granted(lib: Any) -> bool:
 
 def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
                       scale: float) -> torch.Tensor:
-    """paged_prefill on AMX tiles: q bfloat16, a bfloat16 cache without scales (amx_prefill_available)."""
+    """paged_prefill on AMX tiles (amx_prefill_available): q rounded to bfloat16 where it is not, over a bfloat16
+    cache or an int8 one (its values times their scales rounded to bfloat16); out in q's dtype."""
     n, hq, d = q.shape
     lib = _library_for(kv_cache, hq)
-    qb = q.contiguous()
+    qb = q.to(torch.bfloat16).contiguous()
     bt = _prompt_table(block_table, kv_cache, seq_len, n)
-    assert qb.dtype == kv_cache.k.dtype == torch.bfloat16 and kv_cache.k_scale is None, (qb.dtype, kv_cache.k.dtype)
     hkv = kv_cache.k.shape[2]
     padded = -(-seq_len // _AMX_KEYS) * _AMX_KEYS
     work = torch.empty(2 * hkv * (padded + 8) * d, dtype=torch.bfloat16)  # K and V repacked (the kernel's layout)
     out = torch.empty((n, hq, d), dtype=torch.float32)
-    lib.pagoda_paged_prefill_amx(qb.data_ptr(), kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), bt.data_ptr(), n,
-                                 seq_len, out.data_ptr(), work.data_ptr(), scale)
+    scales = (None, None) if kv_cache.k_scale is None else (kv_cache.k_scale.data_ptr(), kv_cache.v_scale.data_ptr())
+    lib.pagoda_paged_prefill_amx(qb.data_ptr(), kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), *scales, bt.data_ptr(),
+                                 n, seq_len, out.data_ptr(), work.data_ptr(), scale)
     return out.to(q.dtype)
 
 
@@ -322,7 +325,10 @@ class CppAttentionBackend(KernelBackend):
                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
         if self.fallback or not supports(kv_cache, q.dtype):
             return super().prefill(q, k, v, kv_cache, block_table, seq_len, scale)
-        if q.dtype == torch.bfloat16 and amx_prefill_available(kv_cache, q.shape[1]):
+        # bfloat16 over a bfloat16 cache, and any queries over an int8 one (whose values are 8-bit already), on
+        # AMX tiles where the CPU has them
+        if (q.dtype == torch.bfloat16 or kv_cache.k.dtype == torch.int8) and amx_prefill_available(kv_cache,
+                                                                                                   q.shape[1]):
             return paged_prefill_amx(q, kv_cache, block_table, seq_len, scale)
         if prefill_in_kernel(q.dtype, q.shape[0], seq_len):
             return paged_prefill(q, kv_cache, block_table, seq_len, scale)

@@ -666,8 +666,9 @@ extern "C" void pagoda_paged_prefill(const float* q_in, const elem_t* k, const e
   }
 }
 
-#if PAGODA_ELEM == 1 && PAGODA_SCALES == 0 && PAGODA_D % 32 == 0 && PAGODA_BS % 16 == 0 && defined(__AMX_TILE__) && \
-    defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(PAGODA_PORTABLE)
+#if ((PAGODA_ELEM == 1 && PAGODA_SCALES == 0) || (PAGODA_ELEM == 3 && PAGODA_SCALES == 1)) && PAGODA_D % 32 == 0 && \
+    PAGODA_BS % 16 == 0 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) &&           \
+    !defined(PAGODA_PORTABLE)
 // Prompt attention on AMX tiles, for bfloat16 queries over a bfloat16 cache: the float32 loop above does ~16
 // multiply-adds per instruction, the tiles' dot products 16 x 16 x 32 each. Flash attention: a work item is 16
 // consecutive query rows of the G query heads of one KV head, which share each step's K and V (in L1); for
@@ -678,9 +679,14 @@ extern "C" void pagoda_paged_prefill(const float* q_in, const elem_t* k, const e
 //   64 columns of D at a time, into float32 accumulators rescaled by the softmax's correction.
 // The tiles' B operand wants pairs of consecutive reduction indices side by side ("VNNI"): K as (D / 2, key,
 // 2), V as (key / 2, D, 2). A first pass copies the chunk's context out of the paged cache into that layout,
-// once per call (a few hundred KB), and every tile of queries reads it there.
+// once per call (a few hundred KB), and every tile of queries reads it there. An int8 cache (a float16 scale per
+// token and KV head) is widened in that pass to bfloat16, exactly (|q| <= 127 fits its 8 bits), and the scales
+// are applied in float32: K's to the scores, V's to the softmax weights before they are rounded to bfloat16. Its
+// queries come rounded to bfloat16 (float32 models' too). On the Xeon 2.5x the loop kernel's speed over an int8
+// cache at 512 fresh tokens, 1.5x at 128 (BENCHMARKS.md).
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <vector>
 
 namespace amx {
 constexpr int64_t KC = 64;  // keys per step
@@ -702,6 +708,15 @@ static inline __m512 vf_to_m512(vf x) {
   std::memcpy(&r, &x, sizeof(r));
   return r;
 }
+
+// 16 consecutive cache elements as bfloat16: a bfloat16 cache's as they are, an int8 cache's values exactly.
+static inline __m256i bf16x16(const elem_t* p) {
+#if PAGODA_ELEM == 1
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+#else
+  return (__m256i)_mm512_cvtneps_pbh(vf_to_m512(load16(p, nullptr)));
+#endif
+}
 }  // namespace amx
 
 // 0 once the OS lets this process use AMX tile data (Linux asks each process to request it), else -1.
@@ -711,10 +726,13 @@ extern "C" int pagoda_amx_init() {
 }
 
 // As pagoda_paged_prefill, for a bfloat16 cache: q (n, HQ, D) bfloat16; work holds the packed K and V,
-// 2 * HKV * (ceil(seq_len / KC) * KC + 8) * D bfloat16.
-extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const uint16_t* k, const uint16_t* v,
-                                         const int64_t* block_table, int64_t n, int64_t seq_len, float* out,
-                                         uint16_t* work, float qscale) {
+// 2 * HKV * (ceil(seq_len / KC) * KC + 8) * D bfloat16; kscale and vscale an int8 cache's scales (else null).
+extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, const elem_t* v, const void* kscale_,
+                                         const void* vscale_, const int64_t* block_table, int64_t n, int64_t seq_len,
+                                         float* out, uint16_t* work, float qscale) {
+  const auto* kscale = static_cast<const _Float16*>(kscale_);
+  const auto* vscale = static_cast<const _Float16*>(vscale_);
+  [[maybe_unused]] const bool scaled = kscale != nullptr;
   using namespace amx;
   const int64_t lp = (seq_len + KC - 1) / KC * KC;  // keys, padded to whole steps
   // K's rows are padded by a line: at a power-of-two stride, a tile's 16 rows fall into 2 of L1's 64 sets
@@ -724,6 +742,10 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const uint16_t* k
   const int64_t groups = lp / 16;         // of 16 keys
   const float log2e = 1.4426950408889634f;
   const int64_t tiles = (n + 15) / 16;
+  // an int8 cache's scales per (KV head, key) as float32, K's and V's (zeros past seq_len)
+  std::vector<float> key_scales(kscale ? 2 * HKV * lp : 0);
+  float* ksp = key_scales.data();
+  float* vsp = ksp + HKV * lp;
 #pragma omp parallel
   {
     // Pack: per (KV head, 16 keys), interleaving K's rows d, d + 1 and V's rows t, t + 1. Past seq_len: zeros.
@@ -731,12 +753,19 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const uint16_t* k
     for (int64_t item = 0; item < HKV * groups; ++item) {
       const int64_t h = item / groups, t0 = (item % groups) * 16;
       const int64_t block = t0 < seq_len ? block_table[t0 / BS] : -1, off = t0 % BS;
+      if (kscale) {  // the 16 keys' scales, stored (blocks, HKV, BS) like K
+        for (int64_t t = 0; t < 16; ++t) {
+          const bool in = t0 + t < seq_len;
+          ksp[h * lp + t0 + t] = in ? float(kscale[(block * HKV + h) * BS + off + t]) : 0.0f;
+          vsp[h * lp + t0 + t] = in ? float(vscale[(block * HKV + h) * BS + off + t]) : 0.0f;
+        }
+      }
       for (int64_t d = 0; d < D; d += 2) {
         __m512i pair = _mm512_setzero_si512();
         if (block >= 0) {
-          const uint16_t* row = k + ((block * HKV + h) * D + d) * BS + off;
-          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + BS));
+          const elem_t* row = k + ((block * HKV + h) * D + d) * BS + off;
+          const __m256i a = bf16x16(row);
+          const __m256i b = bf16x16(row + BS);
           const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
           pair = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
                                     _mm256_permute2x128_si256(lo, hi, 0x31), 1);
@@ -747,10 +776,9 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const uint16_t* k
         for (int64_t d = 0; d < D; d += 16) {
           __m512i pair = _mm512_setzero_si512();
           if (t0 + t < seq_len) {  // a zero weight times whatever a slot past the context holds could be NaN
-            const uint16_t* row = v + ((block * BS + off + t) * HKV + h) * D + d;
-            const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-            const __m256i b = t0 + t + 1 < seq_len ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + HKV * D))
-                                                   : _mm256_setzero_si256();
+            const elem_t* row = v + ((block * BS + off + t) * HKV + h) * D + d;
+            const __m256i a = bf16x16(row);
+            const __m256i b = t0 + t + 1 < seq_len ? bf16x16(row + HKV * D) : _mm256_setzero_si256();
             const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
             pair = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
                                       _mm256_permute2x128_si256(lo, hi, 0x31), 1);
@@ -835,6 +863,14 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const uint16_t* k
       // The online softmax over sc for query head g: weights (bfloat16) into pw[g], acc[g] rescaled.
       auto softmax = [&](int64_t kc, int64_t g) {
         const float scale = qscale * log2e;  // scores to log2 units
+#if PAGODA_ELEM == 3
+        if (scaled) {  // the keys' scales
+          for (int64_t r = 0; r < 16; ++r) {
+#pragma omp simd
+            for (int64_t c = 0; c < KC; ++c) sc[r * KC + c] *= ksp[h * lp + kc + c];
+          }
+        }
+#endif
         // Each row's maximum (masked), then the 16 rows' new running maxima and corrections as one vector
         alignas(64) float rmax[16];
         for (int64_t r = 0; r < 16; ++r) {
@@ -868,7 +904,15 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const uint16_t* k
             for (int64_t i = 0; i < L; ++i) lane[i] = int32_t(c * L + i);
             vf w = exp2_neg<4>(madd(x, vf{} + scale, shift));  // the weights are rounded to 8 bits
             if (len < KC) w = lane < int32_t(len) ? w : vf{};
-            const __m256bh wb = _mm512_cvtneps_pbh(vf_to_m512(w));
+            vf wv = w;  // times the values' scales (an int8 cache's), before the rounding
+#if PAGODA_ELEM == 3
+            if (scaled) {
+              vf vs;
+              std::memcpy(&vs, vsp + h * lp + kc + c * L, sizeof(vf));
+              wv *= vs;
+            }
+#endif
+            const __m256bh wb = _mm512_cvtneps_pbh(vf_to_m512(wv));
             std::memcpy(pw[g] + r * KC + c * L, &wb, sizeof(wb));
             vsum += w;
           }
