@@ -281,7 +281,7 @@ def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torc
     padded = -(-seq_len // _AMX_KEYS) * _AMX_KEYS
     work = torch.empty(2 * hkv * (padded + 8) * d, dtype=torch.bfloat16)  # K and V repacked (the kernel's layout)
     out = torch.empty((n, hq, d), dtype=torch.float32)
-    scales = (None, None) if kv_cache.k_scale is None else (kv_cache.k_scale.data_ptr(), kv_cache.v_scale.data_ptr())
+    scales = tuple(None if t is None else t.data_ptr() for t in (kv_cache.k_scale, kv_cache.v_scale))
     lib.pagoda_paged_prefill_amx(qb.data_ptr(), kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), *scales, bt.data_ptr(),
                                  n, seq_len, out.data_ptr(), work.data_ptr(), scale)
     return out.to(q.dtype)
