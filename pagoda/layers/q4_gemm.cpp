@@ -596,7 +596,8 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
     TileConfig cfg;
     for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
     _tile_loadconfig(&cfg);
-    std::vector<uint16_t> wb(CHUNK * 2 * nb * B_ELEMS);  // this thread's chunk of widened tiles
+    thread_local std::vector<uint16_t> wb;  // this thread's chunk of widened tiles, kept between calls
+    if (int64_t(wb.size()) < CHUNK * 2 * nb * B_ELEMS) wb.resize(CHUNK * 2 * nb * B_ELEMS);
     alignas(64) float c[MR * 32];                         // a pass's sums: 32 rows of the pair's 32 columns
     // the pairs, split between the threads as `omp for schedule(static)` would
     const int nt = omp_get_num_threads(), id = omp_get_thread_num();
