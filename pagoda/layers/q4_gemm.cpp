@@ -37,9 +37,6 @@
 // and Q8_0 weights widened to bfloat16 against the rows rounded to bfloat16 (q4amx below); not with PAGODA_NO_AMX.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(PAGODA_NO_AMX)
 #define PAGODA_Q4_AMX 1
-#ifndef PAGODA_Q4_AMX_MIN
-#define PAGODA_Q4_AMX_MIN 64
-#endif
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -506,7 +503,10 @@ static Rounded round_into_scratch(const float* x, int64_t M, int64_t K, bool sum
 // rows of 16 columns' (k, k + 1) pairs: 1 KiB), and runs every 32 rows of x past them: two A tiles (16 rows x 32
 // k), two B, four float32 sums 16 x 16.
 namespace q4amx {
-constexpr int64_t MIN_ROWS = PAGODA_Q4_AMX_MIN;  // the fewest rows of a call that take the tiles
+// The fewest rows of a call that take the tiles: on the Xeon the tiles (which compute rows in passes of 32, and
+// widen each call's weights) ran 0.57-0.63x the VNNI kernel at 16 rows, 0.84-0.96x at 24, 1.08-1.24x at 32 and
+// 1.14-1.39x at 48 (BENCHMARKS.md, "AMX tiles for Q4_1").
+constexpr int64_t MIN_ROWS = 32;
 constexpr int64_t MR = 32;        // rows a pass: two A tiles
 constexpr int64_t CHUNK = 8;      // pairs of tiles widened at a time (256 columns: 288-768 KiB of bfloat16)
 constexpr int64_t B_ELEMS = 16 * 32;  // bfloat16 values of one tile's block (A or B)

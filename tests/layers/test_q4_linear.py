@@ -87,9 +87,9 @@ def test_activation_rounding_matches_torch(portable: bool) -> None:
 @pytest.mark.parametrize(("n", "k"), [(576, 576), (48, 1536), (960, 64), (16, 32)])
 def test_kernel_matches_float64_reference(portable: bool, n: int, k: int) -> None:
     """1-7 and 40 rows (full groups of 3 or 4 rows, by the build, and each tail), with and without bias, the
-    vectorized build (AVX2, or AVX-512 VNNI where the CPU has it) and the plain C++ one: within float32 rounding of
-    the reference's sums."""
-    lib = q4_linear.q4_library(portable)
+    vectorized build (AVX2, or AVX-512 VNNI where the CPU has it; without the AMX tiles, which have a test and a
+    reference of their own) and the plain C++ one: within float32 rounding of the reference's sums."""
+    lib = q4_linear.q4_library(portable, no_amx=True)
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g) * 0.05
     q, d, m = quantize_q4_1(w)
@@ -110,7 +110,7 @@ def test_kernel_matches_float64_reference(portable: bool, n: int, k: int) -> Non
 @pytest.mark.parametrize(("n", "k"), [(576, 576), (48, 1536), (16, 32)])
 def test_q8_kernel_matches_float64_reference(portable: bool, n: int, k: int) -> None:
     """The Q8_0 layer (the lm_head's format), as the Q4_1 one above; weights up to |q| = 127 on both signs."""
-    lib = q4_linear.q4_library(portable)
+    lib = q4_linear.q4_library(portable, no_amx=True)
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g) * 0.05
     q, d = quantize_q8_0(w)
@@ -127,7 +127,7 @@ def test_q8_kernel_matches_float64_reference(portable: bool, n: int, k: int) -> 
 def test_vnni_and_avx2_kernels_give_the_same_outputs(layer_type: type) -> None:
     """Where the CPU has AVX-512 VNNI, the kernels take `vpdpbusd`; their integer sums are the AVX2 ones', so the
     outputs are identical, bit for bit, at every group of rows and tail."""
-    vnni, avx2 = q4_linear.q4_library(), q4_linear.q4_library(no_vnni=True)
+    vnni, avx2 = q4_linear.q4_library(no_amx=True), q4_linear.q4_library(no_vnni=True)
     if vnni.pagoda_q4_vectorized() != 2:
         pytest.skip("this CPU (or compiler target) has no AVX-512 VNNI: only the AVX2 kernels are built")
     assert avx2.pagoda_q4_vectorized() == 1
