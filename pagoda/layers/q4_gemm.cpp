@@ -1,5 +1,7 @@
 // Linear layers with 4-bit weights and 8-bit activations, the arithmetic llama.cpp runs for a Q4_1 model on a
 // CPU: y (M, N) = x (M, K) @ w^T (+ bias), with w in Q4_1 blocks and x quantized per block as the layer runs.
+// On a CPU with AMX tiles, steps of q4amx::MIN_ROWS rows or more widen the weights to bfloat16 instead (q4amx,
+// below).
 //
 // Along K, weights and activations come in blocks of QK = 32. A weight block (one output column, 32 k) holds
 // w = d * q + m: q in 0..15 (4 bits), d and m float16. An activation block holds x ~ dx * xq: xq in -127..127
@@ -678,8 +680,8 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
 }  // namespace q4amx
 #endif
 
-// 1 if this library's Q4_1 layers take AMX tiles in bfloat16 for steps of q4amx::MIN_ROWS rows or more (a CPU with
-// AMX, a compiler targeting it, the OS granting the process its tile data), else 0.
+// 1 if this library's Q4_1 and Q8_0 layers take AMX tiles in bfloat16 for steps of q4amx::MIN_ROWS rows or more (a
+// CPU with AMX, a compiler targeting it, the OS granting the process its tile data), else 0.
 extern "C" int pagoda_q4_amx() {
 #ifdef PAGODA_Q4_AMX
   return q4amx::granted ? 1 : 0;

@@ -71,7 +71,7 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
         signatures["pagoda_write_kv_f32"] = [ptr] * 6 + [i64, ptr, i64]
     if rev is not None and hasattr(lib, "pagoda_paged_decode"):  # revisions before pagoda_paged_decode_rows
         signatures["pagoda_paged_decode"] = [ptr] * 10 + [i64] * 3 + [f32]
-    if hasattr(lib, "pagoda_paged_prefill_amx"):  # compiled where the compiler targets AMX, for bfloat16 caches
+    if hasattr(lib, "pagoda_paged_prefill_amx"):  # where the compiler targets AMX: bfloat16, int8 per-token caches
         signatures["pagoda_paged_prefill_amx"] = [ptr] * 6 + [i64] * 2 + [ptr, ptr, f32]
         lib.pagoda_amx_init.restype = ctypes.c_int
     if hasattr(lib, "pagoda_int8_dot"):
@@ -272,7 +272,7 @@ def _amx_granted(lib: Any) -> bool:
 def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
                       scale: float) -> torch.Tensor:
     """paged_prefill on AMX tiles (amx_prefill_available): q rounded to bfloat16 where it is not, over a bfloat16
-    cache or an int8 one (its values times their scales rounded to bfloat16); out in q's dtype."""
+    cache or an int8 one (its values exact in bfloat16, their scales applied in float32); out in q's dtype."""
     n, hq, d = q.shape
     lib = _library_for(kv_cache, hq)
     qb = q.to(torch.bfloat16).contiguous()

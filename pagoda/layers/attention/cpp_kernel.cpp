@@ -669,10 +669,10 @@ extern "C" void pagoda_paged_prefill(const float* q_in, const elem_t* k, const e
 #if ((PAGODA_ELEM == 1 && PAGODA_SCALES == 0) || (PAGODA_ELEM == 3 && PAGODA_SCALES == 1)) && PAGODA_D % 32 == 0 && \
     PAGODA_BS % 16 == 0 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) &&           \
     !defined(PAGODA_PORTABLE)
-// Prompt attention on AMX tiles, for bfloat16 queries over a bfloat16 cache: the float32 loop above does ~16
-// multiply-adds per instruction, the tiles' dot products 16 x 16 x 32 each. Flash attention: a work item is 16
-// consecutive query rows of the G query heads of one KV head, which share each step's K and V (in L1); for
-// each step of 64 keys and each head:
+// Prompt attention on AMX tiles, for bfloat16 queries over a bfloat16 cache (or an int8 one, below): the float32
+// loop above does ~16 multiply-adds per instruction, the tiles' dot products 16 x 16 x 32 each. Flash attention: a
+// work item is 16 consecutive query rows of the G query heads of one KV head, which share each step's K and V (in
+// L1); for each step of 64 keys and each head:
 //   scores (16 x 64 float32, four tiles) = q (16 x D) . K^T, each tile summed over D in steps of 32;
 //   an online softmax per row in vector code (scale, causal mask, running max and sum, 2^x to degree 4);
 //   the weights rounded to bfloat16 (as SDPA's flash kernel rounds them), then out (16 x D) += weights . V,
@@ -725,7 +725,7 @@ extern "C" int pagoda_amx_init() {
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
 }
 
-// As pagoda_paged_prefill, for a bfloat16 cache: q (n, HQ, D) bfloat16; work holds the packed K and V,
+// As pagoda_paged_prefill, for a bfloat16 or int8 cache: q (n, HQ, D) bfloat16; work holds the packed K and V,
 // 2 * HKV * (ceil(seq_len / KC) * KC + 8) * D bfloat16; kscale and vscale an int8 cache's scales (else null).
 extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, const elem_t* v, const void* kscale_,
                                          const void* vscale_, const int64_t* block_table, int64_t n, int64_t seq_len,
