@@ -472,7 +472,7 @@ def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: 
     of rows partial (PREFILL_ROWS is 2 to 6 for these head shapes; the AMX kernel's tiles are 16 rows, its
     steps 64 keys), over a cache of scattered blocks, against causal attention in float64 over the same
     (rounded) cache. The AMX kernel (queries and weights rounded to bfloat16; bfloat16 queries over a bfloat16
-    cache, float32 ones over an int8 cache, whose values times their scales it rounds to bfloat16) where this CPU
+    cache, float32 ones over an int8 cache, whose values it takes exactly and its scales in float32) where this CPU
     has it and head_dim is a multiple of 32."""
     import torch.nn.functional as F
 

@@ -186,7 +186,7 @@ def test_gate_up_fused_with_silu_mul_gives_the_same_bits(build: str, layer_type:
         w = torch.randn(2 * i, k, generator=g) * 0.1
         for bias in (None, torch.randn(2 * i, generator=g)):
             layer = layer_type(w, bias, lib)
-            for rows in (*range(1, 10), 64, 100):  # 64 and 100: AMX tiles where the CPU has them (Q4_1)
+            for rows in (*range(1, 10), 64, 100):  # 64 and 100: AMX tiles where the CPU has them
                 x = torch.randn(rows, k, generator=g) * 3  # SiLU on both sides of 0, some saturating
                 full = layer(x)
                 assert torch.equal(layer.silu_mul(x), ops.silu_mul(full[:, :i], full[:, i:]))
