@@ -13,6 +13,40 @@
 #include <ctime>
 #include <limits>
 
+#if defined(__AMX_TILE__) && !defined(PAGODA_PORTABLE)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// Whether the OS lets this process use AMX tile data (Linux asks each process to request it).
+static inline bool amx_granted() {
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+// A thread's use of the AMX tiles (the prompt attention kernel's, the Q4_1/Q8_0 tiles'): all eight tiles 16 rows of
+// 64 bytes while it lives; the configuration it found is put back after, since oneDNN's matmuls use the tiles on
+// the same OpenMP threads.
+class AmxTiles {
+  struct alignas(64) Config {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  };
+  Config saved_;
+
+ public:
+  AmxTiles() {
+    _tile_storeconfig(&saved_);
+    Config c;
+    for (int i = 0; i < 8; ++i) c.rows[i] = 16, c.colsb[i] = 64;
+    _tile_loadconfig(&c);
+  }
+  ~AmxTiles() { _tile_loadconfig(&saved_); }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
+#endif
+
 // Seconds on the monotonic clock (one_stream.cpp's `--profile` timings, the benchmarks' C++ loops).
 static inline double seconds_now() {
   timespec t;

@@ -40,8 +40,6 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(PAGODA_NO_AMX)
 #define PAGODA_Q4_AMX 1
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 #endif
 #endif
@@ -514,18 +512,8 @@ constexpr int64_t CHUNK = 8;      // pairs of tiles widened at a time (256 colum
 constexpr int64_t B_ELEMS = 16 * 32;  // bfloat16 values of one tile's block (A or B)
 constexpr int64_t PREFETCH = 2;        // blocks ahead that a pass prefetches its tiles' lines
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Whether the OS lets this process use AMX tile data (Linux asks each process to request it); asked once, when
-// the library loads.
-static const bool granted = [] {
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}();
+// Whether the OS lets this process use AMX tile data; asked once, when the library loads.
+static const bool granted = amx_granted();
 
 // Two float32 vectors (values of k and k + 1 for 16 columns) as bfloat16 pairs, k in each lane's low half.
 static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
@@ -593,11 +581,7 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
         }
       }
     }
-    alignas(64) TileConfig saved;
-    _tile_storeconfig(&saved);  // oneDNN's matmuls use the tiles on these threads too: theirs is put back after
-    TileConfig cfg;
-    for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
+    const AmxTiles tiles_in_use;  // all eight 16 x 64 bytes (cpp_vector.h), the thread's previous ones put back after
     thread_local std::vector<uint16_t> wb;  // this thread's chunk of widened tiles, kept between calls
     if (int64_t(wb.size()) < CHUNK * 2 * nb * B_ELEMS) wb.resize(CHUNK * 2 * nb * B_ELEMS);
     alignas(64) float c[MR * 32];                         // a pass's sums: 32 rows of the pair's 32 columns
@@ -674,7 +658,6 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
         }
       }
     }
-    _tile_loadconfig(&saved);
   }
 }
 }  // namespace q4amx

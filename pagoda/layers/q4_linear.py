@@ -3,7 +3,7 @@ activations quantized to int8 per block of 32 as each layer runs, in C++ (pagoda
 explains the arithmetic). It is what llama.cpp computes for a Q4_1 GGUF file on a CPU. Where the CPU has AMX
 tiles, steps of 32 rows or more (amx_min_rows: prompts, large decode batches) widen the weights to bfloat16 and
 round the rows to bfloat16 instead, a more accurate arithmetic (99.1% top-1 agreement with float32 on the default
-model against 92.8%) and 1.4-3.0x faster there (BENCHMARKS.md, "AMX tiles for Q4_1"). `--quantization q8_0`:
+model against 92.8%) and 1.35-3.0x faster there (BENCHMARKS.md, "AMX tiles for Q4_1"). `--quantization q8_0`:
 every linear layer 8-bit Q8_0 weights against the same int8 activations (llama.cpp's arithmetic for a Q8_0 file):
 the default model's Q4_1 weights re-quantized to 8 bits, which keeps them close (a Q4_1 block's 16 levels on
 Q8_0's 255), so the error is mostly the activations' rounding: 96.3% top-1 agreement with float32 against q4_1's

@@ -684,24 +684,12 @@ extern "C" void pagoda_paged_prefill(const float* q_in, const elem_t* k, const e
 // are applied in float32: K's to the scores, V's to the softmax weights before they are rounded to bfloat16. Its
 // queries come rounded to bfloat16 (float32 models' too). On the Xeon 2.5x the loop kernel's speed over an int8
 // cache at 512 fresh tokens, 1.5x at 128 (BENCHMARKS.md).
-#include <sys/syscall.h>
-#include <unistd.h>
+// Tiles 0-3: scores, then 64 columns of out; 4 and 6: q's halves of 32 columns, then the weights (A operands);
+// 5 and 7: K or V (B), alternated. All are 16 rows of 64 bytes (AmxTiles, cpp_vector.h).
 #include <vector>
 
 namespace amx {
 constexpr int64_t KC = 64;  // keys per step
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-// Tiles 0-3: scores, then 64 columns of out; 4 and 6: q's halves of 32 columns, then the weights (A operands);
-// 5 and 7: K or V (B), alternated. All are 16 rows of 64 bytes.
-static TileConfig config() {
-  TileConfig c;
-  for (int i = 0; i < 8; ++i) c.rows[i] = 16, c.colsb[i] = 64;
-  return c;
-}
 
 static inline __m512 vf_to_m512(vf x) {
   __m512 r;
@@ -721,8 +709,7 @@ static inline __m256i bf16x16(const elem_t* p) {
 
 // 0 once the OS lets this process use AMX tile data (Linux asks each process to request it), else -1.
 extern "C" int pagoda_amx_init() {
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+  return amx_granted() ? 0 : -1;
 }
 
 // As pagoda_paged_prefill, for a bfloat16 or int8 cache: q (n, HQ, D) bfloat16; work holds the packed K and V,
@@ -788,10 +775,7 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, 
       }
     }
     // The implicit barrier above: every tile below reads the whole packed context.
-    alignas(64) TileConfig saved;
-    _tile_storeconfig(&saved);  // oneDNN's matmuls use the tiles too, on these threads: put theirs back after
-    const TileConfig cfg = config();
-    _tile_loadconfig(&cfg);
+    const AmxTiles tiles_in_use;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < HKV * tiles; ++item) {
       // A tile of 16 query rows for the G query heads of KV head h, which share each step's K and V (in L1)
@@ -988,7 +972,6 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, 
         }
       }
     }
-    _tile_loadconfig(&saved);
   }
 }
 #endif
