@@ -13,7 +13,7 @@
 #include <ctime>
 #include <limits>
 
-#if defined(__AMX_TILE__) && !defined(PAGODA_PORTABLE)
+#if defined(__AMX_TILE__) && defined(__AVX512F__) && !defined(PAGODA_PORTABLE)  // immintrin.h above
 #include <sys/syscall.h>
 #include <unistd.h>
 
