@@ -7,14 +7,15 @@ Default: torch's SDPA called with 3-D (heads, tokens, head_dim) and with 4-D (1,
 tensors; torch 2.13 on CPU runs its flash kernel only for 4-D inputs, 3-D ones go to the unfused math path.
 
 --paged: the cpp backend's prompt kernels (pagoda/layers/attention/cpp_kernel.cpp: the float32 loop, and
-the AMX tiles for bfloat16 where the CPU has them) against SDPA as the engine calls it, over a paged cache
-of scattered blocks of 16. With --context C the prompt is a chunk of --tokens queries after C tokens already
-in the cache: SDPA's path then gathers the context and masks; without, SDPA takes the chunk's own K and V.
+the AMX tiles over float16, int8 and bfloat16 caches where the CPU has them) against SDPA as the engine calls
+it, over a paged cache of scattered blocks of 16. With --context C the prompt is a chunk of --tokens queries
+after C tokens already in the cache: SDPA's path then gathers the context and masks; without, SDPA takes the
+chunk's own K and V.
 --versus-rev REV adds the loop as of git revision REV (`cpp_rev`; `cpp_rev_over_cpp` > 1: the checkout's is
 faster). Calls alternate in one process (the machine's speed drifts).
 
-Prints one JSON line per dtype (with --paged: per query and cache dtype, float32 queries over a float32 and a
-float16 cache, bfloat16 over bfloat16): milliseconds per call (median of --iters) of each side.
+Prints one JSON line per dtype (with --paged: per query and cache dtype, float32 queries over a float32, a
+float16 and an int8 cache, bfloat16 over bfloat16): milliseconds per call (median of --iters) of each side.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def _paged(args: argparse.Namespace) -> None:
             "cpp": functools.partial(paged_prefill, q, cache, table, seq_len, 0.125)}
         if args.versus_rev is not None:
             sides["cpp_rev"] = functools.partial(paged_prefill, q, cache, table, seq_len, 0.125, args.versus_rev)
-        if dtype == torch.bfloat16 and amx_prefill_available(cache, 9):
+        if amx_prefill_available(cache, 9):
             sides["cpp_amx"] = functools.partial(paged_prefill_amx, q, cache, table, seq_len, 0.125)
         times: dict[str, list[float]] = {name: [] for name in sides}
         for i in range(args.iters + 3):

@@ -72,7 +72,7 @@ class LLMEngine:
         self.config = config
         mc = config.model
         self.keeps_freed_memory = keep_freed_memory()
-        backend = get_attention_backend(mc.attention_backend, mc.torch_dtype)
+        backend = get_attention_backend(mc.attention_backend, mc.torch_dtype, mc.quantization != "none")
         loaded = load_model(mc.model, mc.torch_dtype, backend, mc.max_model_len)
         self.model, self.arch, self.tokenizer = loaded.model, loaded.arch, loaded.tokenizer
         budget = config.cache.kv_cache_memory or default_kv_cache_memory()

@@ -81,6 +81,8 @@ def test_q4_1_on_the_default_model() -> None:
     path = resolve_model_path("smollm2-135m-instruct")
     plain = LLM(kv_cache_memory="64MiB")
     q4 = LLM(quantization="q4_1", kv_cache_memory="64MiB")
+    # prompts over q4_1's float16 cache may take the AMX tiles (CppAttentionBackend.bf16_prompts), float32's may not
+    assert q4.engine.model.backend.bf16_prompts and not plain.engine.model.backend.bf16_prompts
     # every decoder linear is quantized, from the file's weights, and computes the reference arithmetic
     g = torch.Generator().manual_seed(0)
     for name, float_layer, q4_layer in decoder_linears(plain, q4):

@@ -116,6 +116,30 @@ def test_amx_prompts_over_int8_add_little_to_int8() -> None:
         assert 0 < kernel < int8 / 3, (kernel, int8)
 
 
+def test_amx_prompts_over_float16_only_when_asked() -> None:
+    """A float16 cache's prompts take the AMX tiles only under bf16_prompts (the engine's --quantization): K, V, the
+    queries and the softmax weights rounded to bfloat16. What that adds stays within 1.5x what storing K and V in
+    bfloat16 costs (measured 3.0-3.3e-3 against 2.4-2.8e-3 of the outputs' norm on the Xeon; float16 storage's own
+    3e-4). Without the flag the float32 loop kernel keeps float16's precision (2e-7)."""
+    from pagoda.layers.attention.cpp import amx_prefill_available
+    from tests.layers.test_kv_quant import make_cache
+
+    spec = KVCacheSpec(torch.float16)
+    exact = run_steps(KVCacheSpec(torch.float64), torch.float64, bs=16)
+    stored = run_steps(spec, torch.float64, bs=16)
+    bf16 = run_steps(KVCacheSpec(torch.bfloat16), torch.float64, bs=16)
+    amx = amx_prefill_available(make_cache(spec, num_blocks=2, block_size=16, hkv=2, d=64), 8)
+    for flag in (False, True):
+        got = run_steps(spec, torch.float32, backend=CppAttentionBackend(bf16_prompts=flag), bs=16)
+        errors = [(float((o.double() - r).norm() / r.norm()), float((b - e).norm() / e.norm()))
+                  for e, r, b, o in zip(exact, stored, bf16, got, strict=True)]
+        if flag and amx:
+            assert max(kernel for kernel, _ in errors) > 1e-4, errors  # the tiles ran
+            assert all(kernel < 1.5 * bf16_storage for kernel, bf16_storage in errors), errors
+        else:
+            assert all(kernel < 1e-6 for kernel, _ in errors), errors
+
+
 @pytest.mark.parametrize("num_seqs", [1, 3, 40])
 @pytest.mark.parametrize("storage", ["float32", "int8"])
 def test_cpp_kernel_on_long_scattered_contexts(num_seqs: int, storage: str) -> None:
@@ -465,22 +489,24 @@ def test_cpp_int8_write_matches_torch_write(source: str) -> None:
 
 @pytest.mark.parametrize(("hkv", "group", "block_size", "d"), [(3, 3, 16, 64), (2, 1, 16, 64), (2, 2, 32, 32),
                                                                  (1, 8, 16, 16), (4, 4, 16, 48), (1, 2, 16, 96)])
-@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8, "bfloat16 amx", "int8 amx"])
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8, "bfloat16 amx", "int8 amx",
+                                     "float16 amx"])
 def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: int, d: int,
                                               storage: torch.dtype | str) -> None:
     """Prompts from their start and chunks continuing a context, of lengths that leave the kernels' last tile
     of rows partial (PREFILL_ROWS is 2 to 6 for these head shapes; the AMX kernel's tiles are 16 rows, its
     steps 64 keys), over a cache of scattered blocks, against causal attention in float64 over the same
     (rounded) cache. The AMX kernel (queries and weights rounded to bfloat16; bfloat16 queries over a bfloat16
-    cache, float32 ones over an int8 cache, whose values it takes exactly and its scales in float32) where this CPU
-    has it and head_dim is a multiple of 32."""
+    cache, float32 ones over an int8 cache, whose values it takes exactly and its scales in float32, and over a
+    float16 one, whose values it rounds to bfloat16) where this CPU has it and head_dim is a multiple of 32."""
     import torch.nn.functional as F
 
     from pagoda.layers.attention.cpp import amx_prefill_available, paged_prefill, paged_prefill_amx
     from tests.layers.test_kv_quant import make_cache
 
-    amx = storage in ("bfloat16 amx", "int8 amx")
-    storage = {"bfloat16 amx": torch.bfloat16, "int8 amx": torch.int8}.get(storage, storage)  # type: ignore[arg-type]
+    amx = storage in ("bfloat16 amx", "int8 amx", "float16 amx")
+    storage = {"bfloat16 amx": torch.bfloat16, "int8 amx": torch.int8,  # type: ignore[arg-type]
+               "float16 amx": torch.float16}.get(storage, storage)
     assert isinstance(storage, torch.dtype)
 
     spec = KVCacheSpec(storage, "token") if storage == torch.int8 else KVCacheSpec(storage)
@@ -518,14 +544,15 @@ def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: 
 
 
 @pytest.mark.parametrize("sdpa_on_amx", [False, True])
-@pytest.mark.parametrize(("dtype", "storage"), [(torch.float32, "model"), (torch.bfloat16, "model"),
-                                                (torch.bfloat16, "int8"), (torch.float32, "int8")])
-def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, sdpa_on_amx: bool,
+@pytest.mark.parametrize(("dtype", "storage", "bf16_prompts"), [
+    (torch.float32, "model", False), (torch.bfloat16, "model", False), (torch.bfloat16, "int8", False),
+    (torch.float32, "int8", False), (torch.float32, "float16", False), (torch.float32, "float16", True)])
+def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, bf16_prompts: bool, sdpa_on_amx: bool,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """run_steps' prompt chunks (fresh ones of 21, 16 and 5 tokens; continued ones of 13 and 9): bfloat16 over a
-    bfloat16 cache and any dtype over an int8 cache all to the AMX kernel (where the CPU has it); float32 otherwise
-    all to the loop; the rest all to the loop where SDPA has no AMX, and where it has, the continued ones to the
-    loop and the fresh ones to SDPA."""
+    bfloat16 cache, any dtype over an int8 cache and, under bf16_prompts, over a float16 one all to the AMX kernel
+    (where the CPU has it); float32 otherwise all to the loop; the rest all to the loop where SDPA has no AMX, and
+    where it has, the continued ones to the loop and the fresh ones to SDPA."""
     import pagoda.layers.attention.cpp as cpp
 
     monkeypatch.setattr(cpp, "SDPA_ON_AMX", sdpa_on_amx)
@@ -537,11 +564,12 @@ def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, sdpa
     sdpa_prefill = SDPAAttentionBackend.prefill
     monkeypatch.setattr(SDPAAttentionBackend, "prefill", lambda self, q, k, v, cache, table, seq_len, scale: (
         calls.append(("sdpa", q.shape[0], seq_len)) or sdpa_prefill(self, q, k, v, cache, table, seq_len, scale)))
-    spec = KVCacheSpec(dtype) if storage == "model" else KVCacheSpec(torch.int8, "token")
-    run_steps(spec, dtype, backend=CppAttentionBackend(), bs=16)
+    spec = {"model": KVCacheSpec(dtype), "int8": KVCacheSpec(torch.int8, "token"),
+            "float16": KVCacheSpec(torch.float16)}[storage]
+    run_steps(spec, dtype, backend=CppAttentionBackend(bf16_prompts=bf16_prompts), bs=16)
     chunks = [(21, 21), (16, 16), (13, 29), (5, 5), (9, 15)]
     amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    if amx and (storage == "int8" or dtype == torch.bfloat16):
+    if amx and (storage == "int8" or dtype == torch.bfloat16 or bf16_prompts):
         want = [("paged_prefill_amx", *c) for c in chunks]
     elif dtype == torch.float32:
         want = [("paged_prefill", *c) for c in chunks]

@@ -254,11 +254,11 @@ def _prompt_table(block_table: torch.Tensor, kv_cache: PagedKVCache, seq_len: in
 
 
 def amx_prefill_available(kv_cache: PagedKVCache, num_q_heads: int) -> bool:
-    """Whether this cache's library has the AMX prompt kernel (a bfloat16 cache without scales or an int8 one with a
-    scale per token, a compiler targeting AMX, the OS granting the process AMX tile data)."""
-    bf16 = kv_cache.k.dtype == torch.bfloat16 and kv_cache.k_scale is None
+    """Whether this cache's library has the AMX prompt kernel (a bfloat16 or float16 cache without scales or an int8
+    one with a scale per token, a compiler targeting AMX, the OS granting the process AMX tile data)."""
+    half = kv_cache.k.dtype in (torch.bfloat16, torch.float16) and kv_cache.k_scale is None
     int8 = kv_cache.k.dtype == torch.int8 and kv_cache.spec.scale_granularity == "token"
-    if not (bf16 or int8) or not AMX_PREFILL:
+    if not (half or int8) or not AMX_PREFILL:
         return False
     lib = _library_for(kv_cache, num_q_heads)
     return hasattr(lib, "pagoda_paged_prefill_amx") and _amx_granted(lib)
@@ -272,7 +272,8 @@ def _amx_granted(lib: Any) -> bool:
 def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
                       scale: float) -> torch.Tensor:
     """paged_prefill on AMX tiles (amx_prefill_available): q rounded to bfloat16 where it is not, over a bfloat16
-    cache or an int8 one (its values exact in bfloat16, their scales applied in float32); out in q's dtype."""
+    cache, a float16 one (its values rounded to bfloat16) or an int8 one (its values exact in bfloat16, their scales
+    applied in float32); out in q's dtype."""
     n, hq, d = q.shape
     lib = _library_for(kv_cache, hq)
     qb = q.to(torch.bfloat16).contiguous()
@@ -302,6 +303,15 @@ class CppAttentionBackend(KernelBackend):
     # SDPA's path (the fallback) pads, so it keeps the length groups.
     one_group = True
 
+    def __init__(self, strict: bool = True, bf16_prompts: bool = False) -> None:
+        """bf16_prompts: prompts over a float16 cache may take the AMX tiles too, their K and V rounded to bfloat16
+        in the packing pass and their queries likewise (the engine sets it under --quantization, whose linears
+        round their inputs to 8 bits of mantissa already). Without it a float16 cache's prompts stay in float32
+        arithmetic: on the default model the tiles took a float32 model's float16 cache from 0.0009 to 0.0084
+        mean |logprob change| (the bfloat16 cache's 0.0072), q4_1's from 0.0139 to 0.0170 (BENCHMARKS.md)."""
+        super().__init__(strict)
+        self.bf16_prompts = bf16_prompts
+
     @property
     def decode_group_padding(self) -> float:
         if self.one_group and self.kernel_ready and not self.fallback:
@@ -325,10 +335,11 @@ class CppAttentionBackend(KernelBackend):
                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
         if self.fallback or not supports(kv_cache, q.dtype):
             return super().prefill(q, k, v, kv_cache, block_table, seq_len, scale)
-        # bfloat16 over a bfloat16 cache, and any queries over an int8 one (whose values are 8-bit already), on
-        # AMX tiles where the CPU has them
-        if (q.dtype == torch.bfloat16 or kv_cache.k.dtype == torch.int8) and amx_prefill_available(kv_cache,
-                                                                                                   q.shape[1]):
+        # bfloat16 over a bfloat16 cache, any queries over an int8 one (whose values are 8-bit already) and, under
+        # bf16_prompts, over a float16 one, on AMX tiles where the CPU has them
+        if (q.dtype == torch.bfloat16 or kv_cache.k.dtype == torch.int8
+                or kv_cache.k.dtype == torch.float16 and self.bf16_prompts) and amx_prefill_available(kv_cache,
+                                                                                                       q.shape[1]):
             return paged_prefill_amx(q, kv_cache, block_table, seq_len, scale)
         if prefill_in_kernel(q.dtype, q.shape[0], seq_len):
             return paged_prefill(q, kv_cache, block_table, seq_len, scale)

@@ -666,13 +666,13 @@ extern "C" void pagoda_paged_prefill(const float* q_in, const elem_t* k, const e
   }
 }
 
-#if ((PAGODA_ELEM == 1 && PAGODA_SCALES == 0) || (PAGODA_ELEM == 3 && PAGODA_SCALES == 1)) && PAGODA_D % 32 == 0 && \
-    PAGODA_BS % 16 == 0 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) &&           \
-    !defined(PAGODA_PORTABLE)
-// Prompt attention on AMX tiles, for bfloat16 queries over a bfloat16 cache (or an int8 one, below): the float32
-// loop above does ~16 multiply-adds per instruction, the tiles' dot products 16 x 16 x 32 each. Flash attention: a
-// work item is 16 consecutive query rows of the G query heads of one KV head, which share each step's K and V (in
-// L1); for each step of 64 keys and each head:
+#if (((PAGODA_ELEM == 1 || PAGODA_ELEM == 2) && PAGODA_SCALES == 0) || (PAGODA_ELEM == 3 && PAGODA_SCALES == 1)) && \
+    PAGODA_D % 32 == 0 && PAGODA_BS % 16 == 0 && defined(__AMX_TILE__) && defined(__AMX_BF16__) &&                 \
+    defined(__AVX512BF16__) && !defined(PAGODA_PORTABLE)
+// Prompt attention on AMX tiles, for bfloat16 queries over a bfloat16 cache (or a float16 or int8 one, below): the
+// float32 loop above does ~16 multiply-adds per instruction, the tiles' dot products 16 x 16 x 32 each. Flash
+// attention: a work item is 16 consecutive query rows of the G query heads of one KV head, which share each step's
+// K and V (in L1); for each step of 64 keys and each head:
 //   scores (16 x 64 float32, four tiles) = q (16 x D) . K^T, each tile summed over D in steps of 32;
 //   an online softmax per row in vector code (scale, causal mask, running max and sum, 2^x to degree 4);
 //   the weights rounded to bfloat16 (as SDPA's flash kernel rounds them), then out (16 x D) += weights . V,
@@ -683,7 +683,9 @@ extern "C" void pagoda_paged_prefill(const float* q_in, const elem_t* k, const e
 // token and KV head) is widened in that pass to bfloat16, exactly (|q| <= 127 fits its 8 bits), and the scales
 // are applied in float32: K's to the scores, V's to the softmax weights before they are rounded to bfloat16. Its
 // queries come rounded to bfloat16 (float32 models' too). On the Xeon 2.5x the loop kernel's speed over an int8
-// cache at 512 fresh tokens, 1.5x at 128 (BENCHMARKS.md).
+// cache at 512 fresh tokens, 1.5x at 128 (BENCHMARKS.md). A float16 cache's values are rounded to bfloat16 in the
+// packing pass (the Python side sends it here only when asked: CppAttentionBackend.bf16_prompts): 3.3x the loop
+// at 512 tokens, 1.7x at 128.
 // Tiles 0-3: scores, then 64 columns of out; 4 and 6: q's halves of 32 columns, then the weights (A operands);
 // 5 and 7: K or V (B), alternated. All are 16 rows of 64 bytes (AmxTiles, cpp_vector.h).
 #include <vector>
@@ -697,7 +699,8 @@ static inline __m512 vf_to_m512(vf x) {
   return r;
 }
 
-// 16 consecutive cache elements as bfloat16: a bfloat16 cache's as they are, an int8 cache's values exactly.
+// 16 consecutive cache elements as bfloat16: a bfloat16 cache's as they are, an int8 cache's values exactly, a
+// float16 cache's rounded to nearest even.
 static inline __m256i bf16x16(const elem_t* p) {
 #if PAGODA_ELEM == 1
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -712,7 +715,7 @@ extern "C" int pagoda_amx_init() {
   return amx_granted() ? 0 : -1;
 }
 
-// As pagoda_paged_prefill, for a bfloat16 or int8 cache: q (n, HQ, D) bfloat16; work holds the packed K and V,
+// As pagoda_paged_prefill, for a bfloat16, float16 or int8 cache: q (n, HQ, D) bfloat16; work holds the packed K and V,
 // 2 * HKV * (ceil(seq_len / KC) * KC + 8) * D bfloat16; kscale and vscale an int8 cache's scales (else null).
 extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, const elem_t* v, const void* kscale_,
                                          const void* vscale_, const int64_t* block_table, int64_t n, int64_t seq_len,
