@@ -543,6 +543,18 @@ def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: 
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize(("n", "seq_len", "kernel"), [
+    (512, 512, True), (1024, 1024, True), (128, 1024, True), (1025, 1025, False), (2048, 2048, False),
+    (2048, 4096, False), (17, 2048, False), (16, 2048, True), (1, 5000, True)])
+def test_float32_prompts_past_1024_tokens_go_to_sdpa(n: int, seq_len: int, kernel: bool) -> None:
+    """Float32 chunks ending within F32_KERNEL_MAX_CONTEXT tokens, and chunks of at most 16 queries after any
+    context, to the loop kernel; longer ones to SDPA, which the loop trails there (it streams the context from L3
+    for every few query rows)."""
+    from pagoda.layers.attention.cpp import prefill_in_kernel
+
+    assert prefill_in_kernel(torch.float32, n, seq_len) == kernel
+
+
 @pytest.mark.parametrize("sdpa_on_amx", [False, True])
 @pytest.mark.parametrize(("dtype", "storage", "bf16_prompts"), [
     (torch.float32, "model", False), (torch.bfloat16, "model", False), (torch.bfloat16, "int8", False),
