@@ -547,12 +547,16 @@ def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: 
     (512, 512, True), (1024, 1024, True), (128, 1024, True), (1025, 1025, False), (2048, 2048, False),
     (2048, 4096, False), (17, 2048, False), (16, 2048, True), (1, 5000, True)])
 def test_float32_prompts_past_1024_tokens_go_to_sdpa(n: int, seq_len: int, kernel: bool) -> None:
-    """Float32 chunks ending within F32_KERNEL_MAX_CONTEXT tokens, and chunks of at most 16 queries after any
-    context, to the loop kernel; longer ones to SDPA, which the loop trails there (it streams the context from L3
-    for every few query rows)."""
+    """Over a float32 cache, float32 chunks ending within F32_KERNEL_MAX_CONTEXT tokens, and chunks of at most 16
+    queries after any context, to the loop kernel; longer ones to SDPA, which the loop trails there (it streams
+    the context from L3 for every few query rows). Over a float16 or int8 cache all to the loop (SDPA's path would
+    first gather the context into float32)."""
     from pagoda.layers.attention.cpp import prefill_in_kernel
 
     assert prefill_in_kernel(torch.float32, n, seq_len) == kernel
+    assert prefill_in_kernel(torch.float32, n, seq_len, torch.float32) == kernel
+    assert prefill_in_kernel(torch.float32, n, seq_len, torch.float16)
+    assert prefill_in_kernel(torch.float32, n, seq_len, torch.int8)
 
 
 @pytest.mark.parametrize("sdpa_on_amx", [False, True])

@@ -218,29 +218,34 @@ PREFILL_KERNEL_MAX_CHUNK = 32
 SDPA_ON_AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
-# Float32 chunks ending past this many tokens go to SDPA unless they have at most F32_LONG_CONTEXT_MAX_CHUNK
-# queries. A work item of the loop kernel is a few query rows of one KV head over the whole context, which past
-# ~1,000 tokens no longer stays in L2, so each item streams it from L3: on the AMX Xeon the loop ran 1.04-1.06x
-# SDPA's speed at 896-1,024 fresh tokens but 0.78x at 1,536, 0.68x at 2,048 and 0.44x at 4,096; continued chunks
-# 0.95x at 128 queries after 896 tokens, 0.75x after 1,920, 0.53-0.56x ending at 4,096-8,192; few queries still
-# won (16 after 2,032 tokens 1.31x, 8 after 2,040 2.0x, 4 after 4,092 3.2x; 32 after 4,064 0.86x).
-# `bench.prompt_attention --paged [--context]`, BENCHMARKS.md ("Float16 prompts on AMX tiles").
+# Float32 chunks over a float32 cache ending past this many tokens go to SDPA unless they have at most
+# F32_LONG_CONTEXT_MAX_CHUNK queries. A work item of the loop kernel is a few query rows of one KV head over the
+# whole context, which past ~1,000 tokens no longer stays in L2, so each item streams it from L3: on the AMX Xeon
+# the loop ran 1.04-1.06x SDPA's speed at 896-1,024 fresh tokens but 0.78x at 1,536, 0.68x at 2,048 and 0.44x at
+# 4,096; continued chunks 0.95x at 128 queries after 896 tokens, 0.75x after 1,920, 0.53-0.56x ending at
+# 4,096-8,192; few queries still won (16 after 2,032 tokens 1.31x, 8 after 2,040 2.0x, 4 after 4,092 3.2x; 32
+# after 4,064 0.86x). Over a float16 or int8 cache SDPA's path first gathers the context into float32, and the
+# loop stays ahead or even (4,096 fresh tokens 1.6x and 2.2x SDPA's speed; 2,048 after 2,048 1.0x and 1.5x).
+# `bench.prompt_attention --paged [--context]`, BENCHMARKS.md ("Float16 prompts on AMX tiles; long float32
+# prompts to SDPA").
 F32_KERNEL_MAX_CONTEXT = 1024
 F32_LONG_CONTEXT_MAX_CHUNK = 16
 
 
-def prefill_in_kernel(dtype: torch.dtype, n: int, seq_len: int) -> bool:
-    """Whether a chunk of n queries ending at seq_len is attended by the kernel (else SDPA's flash kernel).
+def prefill_in_kernel(dtype: torch.dtype, n: int, seq_len: int, cache_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a chunk of n queries ending at seq_len, over a cache of cache_dtype, is attended by the kernel (else
+    SDPA's flash kernel).
 
-    Float32 models: chunks ending within F32_KERNEL_MAX_CONTEXT tokens (1.1-1.7x SDPA's speed on fresh prompts of
-    64-1,024 tokens on the Xeon, 1.6-2.0x at 512 on the AVX2 machine; 0.9-2.9x on continued chunks), and past it
-    chunks of at most F32_LONG_CONTEXT_MAX_CHUNK queries. Other dtypes (where the AMX kernel does not apply):
+    Float32 models: all chunks over a cache of another dtype; over a float32 cache those ending within
+    F32_KERNEL_MAX_CONTEXT tokens (1.1-1.7x SDPA's speed on fresh prompts of 64-1,024 tokens on the Xeon, 1.6-2.0x
+    at 512 on the AVX2 machine; 0.9-2.9x on continued chunks), and past it those of at most
+    F32_LONG_CONTEXT_MAX_CHUNK queries. Other dtypes (where the AMX kernel does not apply):
     all chunks where SDPA's matmuls have no AMX (`SDPA_ON_AMX`); with AMX only short chunks after an earlier
     context: this kernel's arithmetic is float32 fused multiply-adds, 100-160 GFLOP/s on the Xeon, and there in
     bfloat16 it runs at 0.4-0.9x SDPA's speed on fresh prompts. `python -m pagoda.bench.prompt_attention --paged`,
     BENCHMARKS.md ("Prompt attention in C++")."""
     if dtype == torch.float32:
-        return seq_len <= F32_KERNEL_MAX_CONTEXT or n <= F32_LONG_CONTEXT_MAX_CHUNK
+        return cache_dtype != torch.float32 or seq_len <= F32_KERNEL_MAX_CONTEXT or n <= F32_LONG_CONTEXT_MAX_CHUNK
     return not SDPA_ON_AMX or n < seq_len and n <= PREFILL_KERNEL_MAX_CHUNK
 
 
@@ -355,7 +360,7 @@ class CppAttentionBackend(KernelBackend):
                 or kv_cache.k.dtype == torch.float16 and self.bf16_prompts) and amx_prefill_available(kv_cache,
                                                                                                        q.shape[1]):
             return paged_prefill_amx(q, kv_cache, block_table, seq_len, scale)
-        if prefill_in_kernel(q.dtype, q.shape[0], seq_len):
+        if prefill_in_kernel(q.dtype, q.shape[0], seq_len, kv_cache.k.dtype):
             return paged_prefill(q, kv_cache, block_table, seq_len, scale)
         return super().prefill(q, k, v, kv_cache, block_table, seq_len, scale)
 
