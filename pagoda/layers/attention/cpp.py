@@ -1,6 +1,6 @@
 """Attention in a C++ kernel of our own (`cpp_kernel.cpp`), compiled at start-up: every decode, and prompt chunks:
-bfloat16 ones on AMX tiles where the CPU has them (`paged_prefill_amx`), others as `prefill_in_kernel` picks
-(the rest go to SDPA's flash kernel).
+bfloat16 ones, those over an int8 cache and under --quantization those over a float16 one on AMX tiles where the
+CPU has them (`paged_prefill_amx`), others as `prefill_in_kernel` picks (the rest go to SDPA's flash kernel).
 
 The kernel reads each sequence's blocks in place through its block table, once per query tile, at close to
 memory bandwidth for decodes (the kernel's header says how). It is compiled at start-up
@@ -71,7 +71,7 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
         signatures["pagoda_write_kv_f32"] = [ptr] * 6 + [i64, ptr, i64]
     if rev is not None and hasattr(lib, "pagoda_paged_decode"):  # revisions before pagoda_paged_decode_rows
         signatures["pagoda_paged_decode"] = [ptr] * 10 + [i64] * 3 + [f32]
-    if hasattr(lib, "pagoda_paged_prefill_amx"):  # where the compiler targets AMX: bfloat16, int8 per-token caches
+    if hasattr(lib, "pagoda_paged_prefill_amx"):  # where the compiler targets AMX: 16-bit, int8 per-token caches
         signatures["pagoda_paged_prefill_amx"] = [ptr] * 6 + [i64] * 2 + [ptr, ptr, f32]
         lib.pagoda_amx_init.restype = ctypes.c_int
     if hasattr(lib, "pagoda_int8_dot"):

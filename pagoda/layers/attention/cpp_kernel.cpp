@@ -715,8 +715,8 @@ extern "C" int pagoda_amx_init() {
   return amx_granted() ? 0 : -1;
 }
 
-// As pagoda_paged_prefill, for a bfloat16, float16 or int8 cache: q (n, HQ, D) bfloat16; work holds the packed K and V,
-// 2 * HKV * (ceil(seq_len / KC) * KC + 8) * D bfloat16; kscale and vscale an int8 cache's scales (else null).
+// As pagoda_paged_prefill, for a bfloat16, float16 or int8 cache: q (n, HQ, D) bfloat16; work holds the packed K
+// and V, 2 * HKV * (ceil(seq_len / KC) * KC + 8) * D bfloat16; kscale and vscale an int8 cache's scales (else null).
 extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, const elem_t* v, const void* kscale_,
                                          const void* vscale_, const int64_t* block_table, int64_t n, int64_t seq_len,
                                          float* out, uint16_t* work, float qscale) {
