@@ -354,8 +354,8 @@ class CppAttentionBackend(KernelBackend):
                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
         if self.fallback or not supports(kv_cache, q.dtype):
             return super().prefill(q, k, v, kv_cache, block_table, seq_len, scale)
-        # bfloat16 over a bfloat16 cache, any queries over an int8 one (whose values are 8-bit already) and, under
-        # bf16_prompts, over a float16 one, on AMX tiles where the CPU has them
+        # bfloat16 queries over a 16-bit cache, any queries over an int8 one (whose values are 8-bit already) and,
+        # under bf16_prompts, over a float16 one, on AMX tiles where the CPU has them
         if (q.dtype == torch.bfloat16 or kv_cache.k.dtype == torch.int8
                 or kv_cache.k.dtype == torch.float16 and self.bf16_prompts) and amx_prefill_available(kv_cache,
                                                                                                        q.shape[1]):
