@@ -562,11 +562,12 @@ def test_float32_prompts_past_1024_tokens_go_to_sdpa(n: int, seq_len: int, kerne
 @pytest.mark.parametrize("sdpa_on_amx", [False, True])
 @pytest.mark.parametrize(("dtype", "storage", "bf16_prompts"), [
     (torch.float32, "model", False), (torch.bfloat16, "model", False), (torch.bfloat16, "int8", False),
-    (torch.float32, "int8", False), (torch.float32, "float16", False), (torch.float32, "float16", True)])
+    (torch.float32, "int8", False), (torch.float32, "float16", False), (torch.float32, "float16", True),
+    (torch.bfloat16, "float16", False)])
 def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, bf16_prompts: bool, sdpa_on_amx: bool,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """run_steps' prompt chunks (fresh ones of 21, 16 and 5 tokens; continued ones of 13 and 9): bfloat16 over a
-    bfloat16 cache, any dtype over an int8 cache and, under bf16_prompts, over a float16 one all to the AMX kernel
+    16-bit cache, any dtype over an int8 cache and, under bf16_prompts, over a float16 one all to the AMX kernel
     (where the CPU has it); float32 otherwise all to the loop; the rest all to the loop where SDPA has no AMX, and
     where it has, the continued ones to the loop and the fresh ones to SDPA."""
     import pagoda.layers.attention.cpp as cpp
