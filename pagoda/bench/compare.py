@@ -77,7 +77,9 @@ def workload_args(args: argparse.Namespace, workload: str = "offline") -> list[s
     if workload == "offline":
         lo, hi = args.input_len
         out = ["--dataset", args.dataset, "--num-prompts", str(args.num_prompts), "--input-len", f"{lo}:{hi}",
-               "--prefix-len", str(args.prefix_len), "--output-len", str(args.output_len), "--seed", str(args.seed)]
+               "--output-len", str(args.output_len), "--seed", str(args.seed)]
+        if args.dataset == "prefix":  # the only dataset that reads it: left out of the others' commands
+            out += ["--prefix-len", str(args.prefix_len)]
         if args.dataset_path is not None:
             out += ["--dataset-path", args.dataset_path]
     else:

@@ -22,7 +22,9 @@ def test_plans_the_issues_workloads_and_peers_first(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(compare.importlib.util, "find_spec", lambda name: object())  # llama-cpp-python present
     args = parse()
     assert compare.workload_args(args) == ["--dataset", "random", "--num-prompts", "128", "--input-len", "64:512",
-                                           "--prefix-len", "1024", "--output-len", "128", "--seed", "0"]
+                                           "--output-len", "128", "--seed", "0"]
+    # --prefix-len only where the dataset reads it
+    assert compare.workload_args(parse("--dataset", "prefix", "--prefix-len", "256"))[-2:] == ["--prefix-len", "256"]
     assert compare.workload_args(args, "stream") == ["--num-prompts", "1", "--input-len", "16:16", "--output-len",
                                                      "129", "--seed", "0"]
     runs = compare.planned_runs(args)
