@@ -563,11 +563,11 @@ def test_float32_prompts_past_1024_tokens_go_to_sdpa(n: int, seq_len: int, kerne
 @pytest.mark.parametrize(("dtype", "storage", "bf16_prompts"), [
     (torch.float32, "model", False), (torch.bfloat16, "model", False), (torch.bfloat16, "int8", False),
     (torch.float32, "int8", False), (torch.float32, "float16", False), (torch.float32, "float16", True),
-    (torch.bfloat16, "float16", False)])
+    (torch.float32, "bfloat16", False), (torch.float32, "bfloat16", True), (torch.bfloat16, "float16", False)])
 def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, bf16_prompts: bool, sdpa_on_amx: bool,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """run_steps' prompt chunks (fresh ones of 21, 16 and 5 tokens; continued ones of 13 and 9): bfloat16 over a
-    16-bit cache, any dtype over an int8 cache and, under bf16_prompts, over a float16 one all to the AMX kernel
+    16-bit cache, any dtype over an int8 cache and, under bf16_prompts, over a 16-bit one all to the AMX kernel
     (where the CPU has it); float32 otherwise all to the loop; the rest all to the loop where SDPA has no AMX, and
     where it has, the continued ones to the loop and the fresh ones to SDPA."""
     import pagoda.layers.attention.cpp as cpp
@@ -582,7 +582,7 @@ def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, bf16
     monkeypatch.setattr(SDPAAttentionBackend, "prefill", lambda self, q, k, v, cache, table, seq_len, scale: (
         calls.append(("sdpa", q.shape[0], seq_len)) or sdpa_prefill(self, q, k, v, cache, table, seq_len, scale)))
     spec = {"model": KVCacheSpec(dtype), "int8": KVCacheSpec(torch.int8, "token"),
-            "float16": KVCacheSpec(torch.float16)}[storage]
+            "float16": KVCacheSpec(torch.float16), "bfloat16": KVCacheSpec(torch.bfloat16)}[storage]
     run_steps(spec, dtype, backend=CppAttentionBackend(bf16_prompts=bf16_prompts), bs=16)
     chunks = [(21, 21), (16, 16), (13, 29), (5, 5), (9, 15)]
     amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()

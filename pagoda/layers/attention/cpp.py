@@ -1,5 +1,5 @@
 """Attention in a C++ kernel of our own (`cpp_kernel.cpp`), compiled at start-up: every decode, and prompt chunks:
-bfloat16 ones, those over an int8 cache and under --quantization those over a float16 one on AMX tiles where the
+bfloat16 ones, those over an int8 cache and under --quantization those over a 16-bit one on AMX tiles where the
 CPU has them (`paged_prefill_amx`), others as `prefill_in_kernel` picks (the rest go to SDPA's flash kernel).
 
 The kernel reads each sequence's blocks in place through its block table, once per query tile, at close to
@@ -323,11 +323,12 @@ class CppAttentionBackend(KernelBackend):
     one_group = True
 
     def __init__(self, strict: bool = True, bf16_prompts: bool = False) -> None:
-        """bf16_prompts: prompts over a float16 cache may take the AMX tiles too, their K and V rounded to bfloat16
-        in the packing pass and their queries likewise (the engine sets it under --quantization, whose linears
-        round their inputs to 8 bits of mantissa already). Without it a float16 cache's prompts stay in float32
-        arithmetic: on the default model the tiles took a float32 model's float16 cache from 0.0009 to 0.0084
-        mean |logprob change| (the bfloat16 cache's 0.0072), q4_1's from 0.0139 to 0.0170 (BENCHMARKS.md)."""
+        """bf16_prompts: float32 prompts over a 16-bit cache may take the AMX tiles too, the queries rounded to
+        bfloat16 and a float16 cache's K and V as well, in the packing pass (the engine sets it under --quantization,
+        whose linears round their inputs to 8 bits of mantissa already). Without it such prompts stay in float32
+        arithmetic: on the default model the tiles took a float32 model's float16 cache from 0.0009 to 0.0084 mean
+        |logprob change| and its bfloat16 cache from 0.0072 to 0.0084, q4_1's float16 cache from 0.0139 to 0.0170
+        (BENCHMARKS.md)."""
         super().__init__(strict)
         self.bf16_prompts = bf16_prompts
 
@@ -355,10 +356,9 @@ class CppAttentionBackend(KernelBackend):
         if self.fallback or not supports(kv_cache, q.dtype):
             return super().prefill(q, k, v, kv_cache, block_table, seq_len, scale)
         # bfloat16 queries over a 16-bit cache, any queries over an int8 one (whose values are 8-bit already) and,
-        # under bf16_prompts, over a float16 one, on AMX tiles where the CPU has them
-        if (q.dtype == torch.bfloat16 or kv_cache.k.dtype == torch.int8
-                or kv_cache.k.dtype == torch.float16 and self.bf16_prompts) and amx_prefill_available(kv_cache,
-                                                                                                       q.shape[1]):
+        # under bf16_prompts, over a 16-bit one, on AMX tiles where the CPU has them
+        if (q.dtype == torch.bfloat16 or kv_cache.k.dtype == torch.int8 or self.bf16_prompts) and amx_prefill_available(
+                kv_cache, q.shape[1]):
             return paged_prefill_amx(q, kv_cache, block_table, seq_len, scale)
         if prefill_in_kernel(q.dtype, q.shape[0], seq_len, kv_cache.k.dtype):
             return paged_prefill(q, kv_cache, block_table, seq_len, scale)
