@@ -308,8 +308,8 @@ def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torc
 
 
 _AMX_KEYS = 64  # keys per step of the AMX kernel (amx::KC)
-# bfloat16 prompts over a bfloat16 cache take the AMX kernel where it is available; False sends them to the
-# other paths (the in-engine comparison in BENCHMARKS.md set it so)
+# Prompts take the AMX kernel where it is available and the prefill routing allows (CppAttentionBackend.prefill);
+# False sends them all to the other paths (in-engine comparisons and tests set it so)
 AMX_PREFILL = True
 
 
