@@ -553,10 +553,36 @@ def test_float32_prompts_past_1024_tokens_go_to_sdpa(n: int, seq_len: int, kerne
     first gather the context into float32)."""
     from pagoda.layers.attention.cpp import prefill_in_kernel
 
-    assert prefill_in_kernel(torch.float32, n, seq_len) == kernel
     assert prefill_in_kernel(torch.float32, n, seq_len, torch.float32) == kernel
     assert prefill_in_kernel(torch.float32, n, seq_len, torch.float16)
     assert prefill_in_kernel(torch.float32, n, seq_len, torch.int8)
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.float16])
+def test_cpp_backend_sends_a_long_float32_prompt_to_sdpa_only_over_a_float32_cache(
+        storage: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh float32 prompt of 1,100 tokens through CppAttentionBackend.prefill: over a float32 cache to SDPA (the
+    loop trails it past 1,024 tokens), over a float16 one to the loop (SDPA's path would gather the cache into
+    float32 first); either way the same outputs as the loop kernel's, to float32 rounding."""
+    import pagoda.layers.attention.cpp as cpp
+    from tests.layers.test_kv_quant import make_cache
+
+    n, hkv, group, d, bs = 1100, 2, 2, 64, 16
+    g = torch.Generator().manual_seed(7)
+    cache = make_cache(KVCacheSpec(storage), num_blocks=80, block_size=bs, hkv=hkv, d=d)
+    table = torch.randperm(80, generator=g)[: -(-n // bs)]
+    k, v = (torch.randn(n, hkv, d, generator=g).to(storage).float() for _ in range(2))
+    slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:n]
+    cache.write(slots, k, v)
+    q = torch.randn(n, hkv * group, d, generator=g)
+    calls: list[str] = []
+    for name in ("paged_prefill", "paged_prefill_amx"):
+        kernel = getattr(cpp, name)
+        monkeypatch.setattr(cpp, name, lambda *a, name=name, kernel=kernel: calls.append(name) or kernel(*a))
+    got = CppAttentionBackend().prefill(q, k, v, cache, table, n, d**-0.5)
+    assert calls == ([] if storage == torch.float32 else ["paged_prefill"])
+    want = cpp.paged_prefill(q, cache, table, n, d**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("sdpa_on_amx", [False, True])

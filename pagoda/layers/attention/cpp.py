@@ -232,7 +232,7 @@ F32_KERNEL_MAX_CONTEXT = 1024
 F32_LONG_CONTEXT_MAX_CHUNK = 16
 
 
-def prefill_in_kernel(dtype: torch.dtype, n: int, seq_len: int, cache_dtype: torch.dtype = torch.float32) -> bool:
+def prefill_in_kernel(dtype: torch.dtype, n: int, seq_len: int, cache_dtype: torch.dtype) -> bool:
     """Whether a chunk of n queries ending at seq_len, over a cache of cache_dtype, is attended by the kernel (else
     SDPA's flash kernel).
 
