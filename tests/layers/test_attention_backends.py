@@ -195,6 +195,35 @@ def test_cpp_kernel_head_shapes(hkv: int, group: int, block_size: int, d: int) -
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("width", [8, 4])
+def test_cpp_kernel_at_narrower_vector_widths(width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel as AVX2 CPUs (8 lanes) and older ones (4) build it, on this CPU too, against the build for this
+    one: nine query heads are more than one vector's lanes there, so the online softmax takes them in groups
+    (cpp_kernel.cpp, fold_each); decodes and a prompt chunk, float32 and float16 caches."""
+    import pagoda.layers.attention.cpp as cpp
+    from pagoda.layers.attention.cpp import paged_prefill
+    from tests.layers.test_cpp_vector import NARROWER
+    from tests.layers.test_kv_quant import make_cache
+
+    g = torch.Generator().manual_seed(width)
+    lens = torch.tensor([1, 17, 150, 299, 64])
+    tables = torch.randperm(120, generator=g)[:95].view(5, 19)
+    q, qp = torch.randn(5, 9, 64, generator=g), torch.randn(70, 9, 64, generator=g)
+    for dtype in (torch.float32, torch.float16):
+        cache = make_cache(KVCacheSpec(dtype), num_blocks=120, block_size=16, hkv=3, d=64)
+        cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+        native = paged_decode(q, cache, tables, lens, 0.125), paged_prefill(qp, cache, tables[3], 299, 0.125)
+        with monkeypatch.context() as patch:
+            patch.setattr(cpp, "load_library", lambda src, defines, flags=(), rev=None, load=cpp.load_library:
+                          load(src, defines, tuple(flags) + NARROWER[width] + ("-U__AMX_TILE__",), rev))
+            lib = cpp._library.__wrapped__(*cpp._library_args(cache, 9))
+            patch.setattr(cpp, "_library_for", lambda *args, lib=lib, **kwargs: lib)
+            narrow = paged_decode(q, cache, tables, lens, 0.125), paged_prefill(qp, cache, tables[3], 299, 0.125)
+        for a, b in zip(narrow, native, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_cpp_backend_falls_back_to_sdpa_where_the_kernel_does_not_apply() -> None:
     from tests.layers.test_kv_quant import make_cache
 

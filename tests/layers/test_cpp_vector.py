@@ -25,6 +25,17 @@ extern "C" void reductions(const float* x, int64_t n, float* out) {
     out[4 * i + 3] = hsum(v);
   }
 }
+// per L vectors of x (n / L groups): fold_each's maxima, then its sums, one float per vector each
+extern "C" void folds_each(const float* x, int64_t n, float* maxima, float* sums) {
+  for (int64_t i = 0; i < n; i += L) {
+    vf v[L];
+    std::memcpy(v, x + i * L, sizeof(v));
+    const vf mx = fold_each(v, [](vf a, vf b) { return a > b ? a : b; });
+    const vf sm = fold_each(v, [](vf a, vf b) { return a + b; });
+    std::memcpy(maxima + i, &mx, sizeof(mx));
+    std::memcpy(sums + i, &sm, sizeof(sm));
+  }
+}
 """
 NARROWER = {8: ("-U__AVX512F__",), 4: ("-U__AVX512F__", "-U__AVX__", "-U__AVX2__", "-U__F16C__", "-U__FMA__")}
 
@@ -32,7 +43,9 @@ NARROWER = {8: ("-U__AVX512F__",), 4: ("-U__AVX512F__", "-U__AVX__", "-U__AVX2__
 @pytest.mark.parametrize("width", [None, 8, 4])
 def test_fold_max_and_sum_at_every_width(width: int | None, tmp_path: Path) -> None:
     """fold_max is hmax exactly and fold_sum is hsum up to the order of the sum, at each lane of the maximum (a
-    halving step that skipped or repeated a lane would miss it), with -inf lanes as a masked softmax has them."""
+    halving step that skipped or repeated a lane would miss it), with -inf lanes as a masked softmax has them;
+    fold_each, L vectors' folds at once, gives vector i's in lane i (a butterfly that put them in another order,
+    or mixed two vectors' lanes, would not)."""
     source = tmp_path / "shim.cpp"
     source.write_text(SHIM)
     lib = load_library(source, {}, NARROWER.get(width, ()))  # type: ignore[arg-type]
@@ -49,3 +62,9 @@ def test_fold_max_and_sum_at_every_width(width: int | None, tmp_path: Path) -> N
     finite = torch.isfinite(out[:, 3])
     torch.testing.assert_close(out[finite, 2], out[finite, 3], rtol=1e-6, atol=1e-5)
     assert torch.equal(out[~finite, 2], out[~finite, 3])  # -inf either way
+    maxima, sums = torch.empty(x.shape[0]), torch.empty(x.shape[0])
+    lib.folds_each(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]), ctypes.c_void_p(maxima.data_ptr()),
+                   ctypes.c_void_p(sums.data_ptr()))
+    assert torch.equal(maxima, out[:, 1])
+    torch.testing.assert_close(sums[finite], out[finite, 3], rtol=1e-6, atol=1e-5)
+    assert torch.equal(sums[~finite], out[~finite, 3])
