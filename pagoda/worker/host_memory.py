@@ -114,6 +114,17 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
     return buf[start:start + nbytes]
 
 
+def small_page_zeros(nbytes: int) -> torch.Tensor:
+    """nbytes zeroed bytes (a uint8 tensor, page-aligned) of an anonymous mapping advised against huge pages where the
+    platform has that advice (MADV_NOHUGEPAGE: the system's setting may be `always`). As with huge_page_zeros, the
+    kernel hands out its pages as they are first written. For a KV cache whose pages are backed at first use
+    (kv_cache._zeros says why not huge ones)."""
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8)[:nbytes]  # the tensor holds the mapping for its lifetime
+
+
 PAGE = 4096  # bytes of the smallest page on x86-64 and most arm64 kernels
 
 

@@ -108,6 +108,17 @@ def test_touch_pages_backs_the_last_page_of_an_unaligned_tensor() -> None:
     assert resident_pages(part) == (2, 2)
 
 
+def test_small_page_zeros_is_zeroed_lazily_backed_and_not_on_huge_pages() -> None:
+    buf = host_memory.small_page_zeros(3 * host_memory.HUGE_PAGE + 123)
+    assert buf.dtype == torch.uint8 and buf.numel() == 3 * host_memory.HUGE_PAGE + 123
+    assert buf.data_ptr() % host_memory.PAGE == 0
+    assert resident_pages(buf)[0] == 0  # nothing backed until written
+    assert int(buf.count_nonzero()) == 0
+    assert "nh" in _smaps_field(buf.data_ptr(), "VmFlags").split()  # advised MADV_NOHUGEPAGE
+    buf.fill_(7)
+    assert _anon_huge_kib(buf.data_ptr()) == 0 and resident_pages(buf)[0] == resident_pages(buf)[1]
+
+
 def test_without_huge_pages_the_buffer_is_plain_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGODA_HUGE_PAGES", "0")
     assert not host_memory.huge_pages_enabled()
@@ -157,13 +168,15 @@ def test_engine_weights_move_to_huge_pages(scheme: str) -> None:
 
 
 @thp
-def test_the_engine_keeps_its_weights_and_cache_on_huge_pages(tmp_path: Path) -> None:
+@pytest.mark.parametrize("prefault", [False, True])
+def test_the_engine_keeps_its_weights_on_huge_pages_and_its_cache_when_prefaulted(tmp_path: Path,
+                                                                                  prefault: bool) -> None:
     from pagoda import LLM, SamplingParams
     from tests.conftest import make_tiny_model
 
-    llm = LLM(str(make_tiny_model(tmp_path, "llama")), kv_cache_memory="8MiB")
+    llm = LLM(str(make_tiny_model(tmp_path, "llama")), kv_cache_memory="8MiB", kv_cache_prefault=prefault)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))  # writes the cache
     engine = llm.engine
     assert all(_advised(p.data_ptr()) for p in engine.model.parameters())
     cache = engine.runner.kv_caches[0]
-    assert _advised(cache.k.data_ptr()) and _advised(cache.v.data_ptr())
+    assert _advised(cache.k.data_ptr()) == _advised(cache.v.data_ptr()) == prefault

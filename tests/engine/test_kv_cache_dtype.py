@@ -140,10 +140,12 @@ def test_allocation_matches_the_plan(kv: str, granularity: str) -> None:
     assert plan.scale_bytes_per_block == (0 if kv == "auto" else allocated // plan.num_blocks - 16 * 3 * 64 * 60)
 
 
-@pytest.mark.skipif(not huge_pages_enabled(), reason="without huge pages the cache comes from numpy's calloc, "
-                    "whose pages may already be resident")
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_prefault_backs_every_page_of_the_cache(kv: str) -> None:
+    """Without prefault no page is backed before its first write, and none of them will be a huge page
+    (kv_cache._zeros says why); with it every page is backed at once, on huge pages where the system has them."""
+    from tests.engine.test_host_memory import _anon_huge_kib
+
     plan = plan_kv_cache(SMOLLM2, torch.float32, 16, 8 * 2**20, kv, "token")
     for prefault in (False, True):
         caches = allocate_kv_cache(SMOLLM2, plan, torch.float32, prefault=prefault)
@@ -151,6 +153,11 @@ def test_prefault_backs_every_page_of_the_cache(kv: str) -> None:
             resident, pages = resident_pages(t)
             assert resident == (pages if prefault else 0), (prefault, resident, pages)
             assert int(t.count_nonzero()) == 0
+        k = caches[0].k
+        if not prefault:
+            k.fill_(1)
+        huge = _anon_huge_kib(k.data_ptr()) > 0
+        assert huge == (prefault and huge_pages_enabled()), (prefault, huge)
 
 
 def test_bad_kv_cache_dtype_names_the_field(model_dir: Path) -> None:
