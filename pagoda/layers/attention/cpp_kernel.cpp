@@ -304,10 +304,10 @@ constexpr int64_t int8_value_chunks(int64_t rg) {
 }
 
 // Adds one step's weighted V rows of KV head h to the outputs of its RG query vectors (acc, float32, rescaled here
-// by the step's softmax correction, corr per (row, query head)) with vpdpwssd, which multiplies 32 pairs of int16 and adds each
-// pair's two products into a 32-bit lane: two tokens a lane, 16 head_dim elements a vector. A query vector's
-// weights (softmax weight x the token's V scale, all >= 0) go to 15-bit fixed point against the step's largest,
-// rounded by about 2^-16 of it; V's int8 rows are widened to int16 and interleaved token by token (in-lane
+// by the step's softmax correction, corr per (row, query head)) with vpdpwssd, which multiplies 32 pairs of int16
+// and adds each pair's two products into a 32-bit lane: two tokens a lane, 16 head_dim elements a vector. A query
+// vector's weights (softmax weight x the token's V scale, all >= 0) go to 15-bit fixed point against the step's
+// largest, rounded by about 2^-16 of it; V's int8 rows are widened to int16 and interleaved token by token (in-lane
 // unpacks, which leave head_dim in a permuted order, put back once a step). Against float32 FMAs (two conversion
 // instructions and G multiply-adds per 16 elements and token): per 32 elements and two tokens, two widenings, two
 // unpacks and 2 G dot products. Each step's sums stay in int32: 256 tokens x 32767 x 127 < 2^31.
@@ -501,7 +501,7 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
       const int64_t ng = std::min<int64_t>(L, R * HQ - g0);
       // each row's tokens in the step: fewer than ntok for the shorter rows, none where a row ends before it
       int64_t rtok[L];
-      vf part[L];       // each head's maxima by lane, then its sums
+      vf part[L];  // each head's maxima by lane, then its sums
       for (int64_t k = 0; k < L; ++k) part[k] = neg_inf;
       for (int64_t k = 0; k < ng; ++k) {
         rtok[k] = std::min<int64_t>(ntok, lens[(g0 + k) / HQ] - j * BS);
