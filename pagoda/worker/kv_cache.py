@@ -86,7 +86,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, prefault: bool) -> torch.
 
     Lazily backed, on 4 KiB pages: on this project's VMs memory the host has not backed yet costs at its first write,
     and a fresh huge page (2 MiB at once, from memory the guest had handed back) cost far more per byte than 4 KiB
-    pages, most of which the guest's earlier use had left backed: backing a 4 GiB cache took 7.6-10.2 s on huge
+    pages, most of which the guest's earlier use had left backed: backing a 4 GiB cache took 6.9-10.2 s on huge
     pages against 1.9 s on 4 KiB ones, and a fresh engine's 128-request q4_1 run (1.25 GB of KV first written inside
     it) ran 1.10x faster on 4 KiB pages. Once backed, huge pages spare the decode kernel TLB misses (it read a
     float16 cache 1.01x and an int8 one 1.04x faster from them; BENCHMARKS.md): so where every page is backed at
