@@ -23,11 +23,12 @@ miss and a stop for the hardware prefetchers, which do not cross a page. On this
 stream's step went from 1.34-1.39x to 1.26-1.30x of its weights' read in one window (in another, no change
 beyond the drift; BENCHMARKS.md, "Huge pages"). So the engine copies its weights into one huge-page region at
 start-up (`move_to_huge_pages`), hands their old copies back to the kernel (`release_free_heap`: a q8_0 engine's
-resident memory went from 1,432 to 608 MiB), and allocates each KV cache tensor in one (`huge_page_zeros`;
-numpy's allocator, which the cache used before, advised huge pages for it already). Set PAGODA_HUGE_PAGES=0 to
-keep the weights on 4 KiB pages and leave the cache to numpy (which advises huge pages for arrays of 4 MiB and
-more itself); where the system's setting is `never`, or the platform has no madvise, the calls fall back to
-ordinary memory.
+resident memory went from 1,432 to 608 MiB), and allocates each KV cache tensor in one (`huge_page_zeros`) where
+its pages are backed at start-up (`--kv-cache-prefault`); a cache backed at first write is on 4 KiB pages
+(`small_page_zeros`), which these VMs back far faster than fresh huge pages (kv_cache._zeros). Set
+PAGODA_HUGE_PAGES=0 to keep the weights on 4 KiB pages and leave a prefaulted cache to numpy (which advises huge
+pages for arrays of 4 MiB and more itself); where the system's setting is `never`, or the platform has no madvise,
+the calls fall back to ordinary memory.
 """
 
 from __future__ import annotations
