@@ -12,6 +12,7 @@
 #include <cstring>
 #include <ctime>
 #include <limits>
+#include <utility>
 
 #if defined(__AMX_TILE__) && defined(__AVX512F__) && !defined(PAGODA_PORTABLE)  // immintrin.h above
 #include <sys/syscall.h>
@@ -123,6 +124,26 @@ static inline float fold(vf x, Op op) {
 static inline float fold_max(vf x) { return fold(x, [](vf a, vf b) { return a > b ? a : b; }); }
 static inline float fold_sum(vf x) { return fold(x, [](vf a, vf b) { return a + b; }); }
 
+// Lane j of a butterfly level's two picks from vectors a and b (w: the level's half-span): from a where (j & w) is
+// 0, else from b; the low pick takes each pair's first half, the high pick its second. Constant indices, so that the
+// compiler emits one shuffle for each (and any compiler with __builtin_shufflevector takes it).
+template <int64_t W, size_t... J>
+static inline vf pick_low(vf a, vf b, std::index_sequence<J...>) {
+  return __builtin_shufflevector(a, b, int((J & W) ? L + J - W : J)...);
+}
+template <int64_t W, size_t... J>
+static inline vf pick_high(vf a, vf b, std::index_sequence<J...>) {
+  return __builtin_shufflevector(a, b, int((J & W) ? L + J : J + W)...);
+}
+template <int64_t W, typename Op>
+static inline void fold_levels(vf* y, Op op) {  // 2 W vectors in, W out
+  for (int64_t i = 0; i < W; ++i) {
+    y[i] = op(pick_low<W>(y[2 * i], y[2 * i + 1], std::make_index_sequence<L>{}),
+              pick_high<W>(y[2 * i], y[2 * i + 1], std::make_index_sequence<L>{}));
+  }
+  if constexpr (W > 1) fold_levels<W / 2>(y, op);
+}
+
 // L folds at once: lane i of the result is x[i]'s lanes folded by op. A butterfly: each level pairs the vectors
 // and halves the span each lane covers, two shuffles and an op per pair, L - 1 pairs in all (AVX-512: 45
 // instructions for 16 folds, where 16 calls of fold take 128 and chain each one's 8). The butterfly leaves
@@ -137,19 +158,7 @@ static inline vf fold_each(const vf (&x)[L], Op op) {
   vf y[L];
 #pragma GCC unroll 16
   for (int64_t k = 0; k < L; ++k) y[k] = x[bitrev(k)];
-#pragma GCC unroll 8
-  for (int64_t w = L / 2, n = L; w >= 1; w /= 2, n /= 2) {
-    vi32 lo, hi;  // lane j of a pair's result: from the first vector where (j & w) == 0, else from the second
-#pragma GCC unroll 16
-    for (int64_t j = 0; j < L; ++j) {
-      lo[j] = int32_t((j & w) ? L + j - w : j);
-      hi[j] = int32_t((j & w) ? L + j : j + w);
-    }
-#pragma GCC unroll 16
-    for (int64_t i = 0; i < n / 2; ++i) {
-      y[i] = op(__builtin_shuffle(y[2 * i], y[2 * i + 1], lo), __builtin_shuffle(y[2 * i], y[2 * i + 1], hi));
-    }
-  }
+  fold_levels<L / 2>(y, op);
   return y[0];
 }
 
