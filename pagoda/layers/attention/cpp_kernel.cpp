@@ -145,11 +145,11 @@ static inline vf load16(const elem_t* p, const float* table) {
 static_assert(PAGODA_PREFETCH_AHEAD >= 0 && PAGODA_PREFETCH_AHEAD <= 2, "prefetching is off (0), a block (1) or a "
               "step (2) ahead");
 constexpr int64_t PREFETCH_AHEAD = PAGODA_PREFETCH_AHEAD;
-// Blocks whose scores go through one online-softmax update, 64 tokens' worth: the update (a maximum and a
-// sum across lanes, two exponentials, a rescale of the output) is a chain of dependent instructions per
-// query head, paid per step rather than per block. Four blocks of 16 against one: bfloat16 decode attention
-// 1.07x faster with the caches in memory, 1.15x with one layer's in L3; two blocks gave 1.04x and 1.09x
-// (`bench.decode_attention --layers 30 / 1 --versus-rev`, BENCHMARKS.md).
+// Blocks whose scores go through one online-softmax update, 64 tokens' worth: the update (maxima and sums folded
+// across lanes, the corrections' exponentials, the outputs' rescale; attend_span) is paid per step rather than
+// per block. Four blocks of 16 against one, when the update was a chain of dependent instructions per query head:
+// bfloat16 decode attention 1.07x faster with the caches in memory, 1.15x with one layer's in L3; two blocks gave
+// 1.04x and 1.09x (`bench.decode_attention --layers 30 / 1 --versus-rev`, BENCHMARKS.md).
 constexpr int64_t CB = BS >= 64 ? 1 : 64 / BS;
 constexpr int64_t LINES = HKV * D * BS * int64_t(sizeof(elem_t)) / 64;  // of one block's K (or V)
 constexpr int64_t PREFETCH_STEPS = HKV * K_STEPS + HKV * BS;          // of one block's K and V loops
