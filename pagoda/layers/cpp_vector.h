@@ -9,9 +9,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <limits>
+#include <new>
 #include <utility>
 
 #if defined(__AMX_TILE__) && defined(__AVX512F__) && !defined(PAGODA_PORTABLE)  // immintrin.h above
@@ -47,6 +49,33 @@ class AmxTiles {
   AmxTiles& operator=(const AmxTiles&) = delete;
 };
 #endif
+
+// A scratch buffer that grows to the largest size asked of it and starts on a 64-byte boundary (a cache line):
+// std::vector's memory comes from malloc, 16-byte aligned, and then every 64-byte row of an AMX tile load (and
+// every 512-bit load) straddles two lines. On the AMX Xeon a tile loop over 16-byte-aligned buffers ran at 0.43-0.61x
+// the rate over aligned ones (BENCHMARKS.md, "Tile loads on 64-byte boundaries").
+template <typename T>
+class LineAlignedBuffer {
+  T* data_ = nullptr;
+  size_t size_ = 0;
+
+ public:
+  LineAlignedBuffer() = default;
+  ~LineAlignedBuffer() { std::free(data_); }
+  LineAlignedBuffer(const LineAlignedBuffer&) = delete;
+  LineAlignedBuffer& operator=(const LineAlignedBuffer&) = delete;
+  // At least n elements (contents not kept when it grows).
+  T* reserve(size_t n) {
+    if (n > size_) {
+      std::free(data_);
+      const size_t bytes = (n * sizeof(T) + 63) / 64 * 64;  // aligned_alloc wants a multiple of the alignment
+      data_ = static_cast<T*>(std::aligned_alloc(64, bytes));
+      if (data_ == nullptr) throw std::bad_alloc();
+      size_ = n;
+    }
+    return data_;
+  }
+};
 
 // Seconds on the monotonic clock (one_stream.cpp's `--profile` timings, the benchmarks' C++ loops).
 static inline double seconds_now() {

@@ -563,9 +563,8 @@ template <void (*Widen)(const uint8_t*, uint16_t*), int64_t Record>
 static void linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
                    bool silu_mul) {
   const int64_t nb = K / QK, mp = (M + MR - 1) / MR * MR;
-  thread_local std::vector<uint16_t> xs;  // x in bfloat16, mp rows (the calling thread's, kept between calls)
-  if (int64_t(xs.size()) < mp * K) xs.resize(mp * K);
-  uint16_t* xb = xs.data();
+  thread_local LineAlignedBuffer<uint16_t> xs;  // x in bfloat16, mp rows (the calling thread's, kept between calls)
+  uint16_t* xb = xs.reserve(mp * K);
   const int64_t tiles = N / NR, pairs = silu_mul ? tiles / 2 : (tiles + 1) / 2, yn = silu_mul ? N / 2 : N;
 #pragma omp parallel
   {
@@ -582,8 +581,8 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
       }
     }
     const AmxTiles tiles_in_use;  // all eight 16 x 64 bytes (cpp_vector.h), the thread's previous ones put back after
-    thread_local std::vector<uint16_t> wb;  // this thread's chunk of widened tiles, kept between calls
-    if (int64_t(wb.size()) < CHUNK * 2 * nb * B_ELEMS) wb.resize(CHUNK * 2 * nb * B_ELEMS);
+    thread_local LineAlignedBuffer<uint16_t> wbuf;  // this thread's chunk of widened tiles, kept between calls
+    uint16_t* wb = wbuf.reserve(CHUNK * 2 * nb * B_ELEMS);
     alignas(64) float c[MR * 32];                         // a pass's sums: 32 rows of the pair's 32 columns
     // the pairs, split between the threads as `omp for schedule(static)` would
     const int nt = omp_get_num_threads(), id = omp_get_thread_num();
@@ -598,12 +597,12 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
           const int64_t t = tile_of(q, side);
           if (t >= tiles) continue;
           for (int64_t b = 0; b < nb; ++b)
-            Widen(w + (t * nb + b) * Record, wb.data() + (((q - c0) * 2 + side) * nb + b) * B_ELEMS);
+            Widen(w + (t * nb + b) * Record, wb + (((q - c0) * 2 + side) * nb + b) * B_ELEMS);
         }
       for (int64_t r0 = 0; r0 < mp; r0 += MR) {
         const uint16_t* a = xb + r0 * K;  // rows r0 .. r0 + 15, then r0 + 16 .. r0 + 31 (nb * 16 * QK further)
         for (int64_t q = c0; q < c1; ++q) {
-          const uint16_t* b0 = wb.data() + ((q - c0) * 2) * nb * B_ELEMS;
+          const uint16_t* b0 = wb + ((q - c0) * 2) * nb * B_ELEMS;
           const uint16_t* b1 = b0 + nb * B_ELEMS;
           const bool second = tile_of(q, 1) < tiles;
           _tile_zero(4);

@@ -68,3 +68,37 @@ def test_fold_max_and_sum_at_every_width(width: int | None, tmp_path: Path) -> N
     assert torch.equal(maxima, out[:, 1])
     torch.testing.assert_close(sums[finite], out[finite, 3], rtol=1e-6, atol=1e-5)
     assert torch.equal(sums[~finite], out[~finite, 3])
+
+
+BUFFER_SHIM = """
+// For each size asked in turn: the address's offset from a 64-byte boundary, and whether the address changed; every
+// element written (a buffer smaller than asked would show under a sanitizer, and here as a crash at worst).
+extern "C" void reserve_in_turn(const int64_t* sizes, int64_t n, int64_t* offsets, int64_t* moved) {
+  LineAlignedBuffer<uint16_t> buffer;
+  const uint16_t* last = nullptr;
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t* p = buffer.reserve(sizes[i]);
+    for (int64_t j = 0; j < sizes[i]; ++j) p[j] = uint16_t(j);
+    offsets[i] = int64_t(reinterpret_cast<uintptr_t>(p) % 64);
+    moved[i] = p != last;
+    last = p;
+  }
+}
+"""
+
+
+def test_line_aligned_buffer_starts_on_a_line_and_grows_only_when_asked_for_more(tmp_path: Path) -> None:
+    """The q4amx tiles' scratch (LineAlignedBuffer) starts on a 64-byte boundary at every size, the sizes that are
+    not a multiple of the line included (std::vector's 16-byte-aligned memory is what it replaced), and keeps its
+    memory when asked for no more than it has."""
+    source = tmp_path / "buffer_shim.cpp"
+    source.write_text(BUFFER_SHIM)
+    lib = load_library(source, {})
+    sizes = torch.tensor([1, 7, 33, 5000, 100, 5000, 5001, 3, 1 << 20], dtype=torch.int64)
+    offsets, moved = torch.full_like(sizes, -1), torch.full_like(sizes, -1)
+    lib.reserve_in_turn(ctypes.c_void_p(sizes.data_ptr()), ctypes.c_int64(len(sizes)),
+                        ctypes.c_void_p(offsets.data_ptr()), ctypes.c_void_p(moved.data_ptr()))
+    assert offsets.tolist() == [0] * len(sizes)
+    # asked for no more than the largest size so far: the same memory (a grown buffer may land at the same address)
+    kept = [i for i in range(1, len(sizes)) if sizes[i] <= sizes[:i].max()]
+    assert kept == [4, 5, 7] and moved[kept].tolist() == [0, 0, 0]
