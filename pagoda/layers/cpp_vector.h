@@ -288,6 +288,33 @@ static inline void exp2_neg_n(vf* x) {
   constexpr float coefficient[8] = {1.0f, 6.9314718055994531e-1f, 2.4022650695910071e-1f, 5.5504108664821580e-2f,
                                     9.6181291076284772e-3f, 1.3333558146428443e-3f, 1.5403530393381609e-4f,
                                     1.5252733804059841e-5f};
+#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+  // AVX-512: n by `vrndscaleps` (to nearest, ties to even, as the 1.5 * 2^23 trick below) and p * 2^n by
+  // `vscalefps`, which is exact where p * two_n is: the same bits as the narrower widths' arithmetic (tests
+  // compare them) in 5 fewer instructions. The AMX prompt kernel's softmax 1.03-1.05x (BENCHMARKS.md).
+  if constexpr (L == 16) {
+    __m512 n[N], f[N], p[N];
+#pragma GCC unroll 16
+    for (int k = 0; k < N; ++k) {
+      // -126 first: `vmaxps` returns its second operand where either is NaN, so NaN stays NaN as below
+      const __m512 xk = _mm512_max_ps(_mm512_set1_ps(-126.0f), reinterpret_cast<const __m512&>(x[k]));
+      n[k] = _mm512_roundscale_ps(xk, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      f[k] = _mm512_sub_ps(xk, n[k]);
+      p[k] = _mm512_set1_ps(coefficient[DEGREE]);
+    }
+#pragma GCC unroll 8
+    for (int i = DEGREE - 1; i >= 0; --i) {
+#pragma GCC unroll 16
+      for (int k = 0; k < N; ++k) p[k] = _mm512_fmadd_ps(p[k], f[k], _mm512_set1_ps(coefficient[i]));
+    }
+#pragma GCC unroll 16
+    for (int k = 0; k < N; ++k) {
+      const __m512 r = _mm512_scalef_ps(p[k], n[k]);
+      std::memcpy(&x[k], &r, sizeof(r));
+    }
+    return;
+  }
+#endif
   vf t[N], f[N], p[N];
 #pragma GCC unroll 16
   for (int k = 0; k < N; ++k) {

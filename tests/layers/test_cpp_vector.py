@@ -36,6 +36,16 @@ extern "C" void folds_each(const float* x, int64_t n, float* maxima, float* sums
     std::memcpy(sums + i, &sm, sizeof(sm));
   }
 }
+// exp2_neg to degree 7 and 4 of n values (n a multiple of L)
+extern "C" void exp2s(const float* x, int64_t n, float* out7, float* out4) {
+  for (int64_t i = 0; i < n; i += L) {
+    vf v;
+    std::memcpy(&v, x + i, sizeof(v));
+    const vf a = exp2_neg<7>(v), b = exp2_neg<4>(v);
+    std::memcpy(out7 + i, &a, sizeof(a));
+    std::memcpy(out4 + i, &b, sizeof(b));
+  }
+}
 """
 NARROWER = {8: ("-U__AVX512F__",), 4: ("-U__AVX512F__", "-U__AVX__", "-U__AVX2__", "-U__F16C__", "-U__FMA__")}
 
@@ -102,3 +112,35 @@ def test_line_aligned_buffer_starts_on_a_line_and_grows_only_when_asked_for_more
     # asked for no more than the largest size so far: the same memory (a grown buffer may land at the same address)
     kept = [i for i in range(1, len(sizes)) if sizes[i] <= sizes[:i].max()]
     assert kept == [4, 5, 7] and moved[kept].tolist() == [0, 0, 0]
+
+
+def test_exp2_neg_is_the_same_bits_at_every_width(tmp_path: Path) -> None:
+    """exp2_neg has its own AVX-512 form (round to an integer and `vscalefps`, five instructions fewer than the
+    exponent-field arithmetic the narrower widths run); it gives AVX2's bits for every x <= 0, the clamp at -126
+    and the results below float32's normal range included, NaN stays NaN, and stays within 2^-20 (degree 7)
+    of 2^x."""
+    source = tmp_path / "shim.cpp"
+    source.write_text(SHIM)
+    x = torch.cat([-torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 140.0,
+                   torch.tensor([0.0, -0.5, -1.5, -2.5, -125.5, -126.0, -126.5, -127.0, -149.0, -200.0, -1e30,
+                                 -float("inf")])])
+    x = torch.cat([x, torch.zeros((-len(x)) % 16)])
+    results = {}
+    for width in (None, 8, 4):
+        lib = load_library(source, {}, NARROWER.get(width, ()))  # type: ignore[arg-type]
+        out7, out4 = torch.empty_like(x), torch.empty_like(x)
+        lib.exp2s(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(len(x)), ctypes.c_void_p(out7.data_ptr()),
+                  ctypes.c_void_p(out4.data_ptr()))
+        results[width] = (out7, out4)
+    # AVX2's 8 lanes have the same fused multiply-adds; the 4-lane build (no FMA) rounds each product apart
+    assert torch.equal(results[None][0], results[8][0]) and torch.equal(results[None][1], results[8][1])
+    nan = torch.full((16,), float("nan"))
+    for width in (None, 8, 4):  # a NaN (a broken score) stays NaN, not a weight of 2^-126
+        lib = load_library(source, {}, NARROWER.get(width, ()))  # type: ignore[arg-type]
+        out7, out4 = torch.empty_like(nan), torch.empty_like(nan)
+        lib.exp2s(ctypes.c_void_p(nan.data_ptr()), ctypes.c_int64(16), ctypes.c_void_p(out7.data_ptr()),
+                  ctypes.c_void_p(out4.data_ptr()))
+        assert out7.isnan().all() and out4.isnan().all()
+    exact = torch.exp2(x.double().clamp(min=-126.0))
+    for width in (None, 4):
+        assert ((results[width][0].double() - exact).abs() <= exact * 2**-20).all()
