@@ -125,22 +125,18 @@ def test_exp2_neg_is_the_same_bits_at_every_width(tmp_path: Path) -> None:
                    torch.tensor([0.0, -0.5, -1.5, -2.5, -125.5, -126.0, -126.5, -127.0, -149.0, -200.0, -1e30,
                                  -float("inf")])])
     x = torch.cat([x, torch.zeros((-len(x)) % 16)])
-    results = {}
-    for width in (None, 8, 4):
-        lib = load_library(source, {}, NARROWER.get(width, ()))  # type: ignore[arg-type]
-        out7, out4 = torch.empty_like(x), torch.empty_like(x)
-        lib.exp2s(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(len(x)), ctypes.c_void_p(out7.data_ptr()),
+    def exp2s(lib: ctypes.CDLL, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out7, out4 = torch.empty_like(v), torch.empty_like(v)
+        lib.exp2s(ctypes.c_void_p(v.data_ptr()), ctypes.c_int64(len(v)), ctypes.c_void_p(out7.data_ptr()),
                   ctypes.c_void_p(out4.data_ptr()))
-        results[width] = (out7, out4)
+        return out7, out4
+
+    libs = {width: load_library(source, {}, NARROWER.get(width, ())) for width in (None, 8, 4)}  # type: ignore[arg-type]
+    results = {width: exp2s(lib, x) for width, lib in libs.items()}
     # AVX2's 8 lanes have the same fused multiply-adds; the 4-lane build (no FMA) rounds each product apart
     assert torch.equal(results[None][0], results[8][0]) and torch.equal(results[None][1], results[8][1])
-    nan = torch.full((16,), float("nan"))
-    for width in (None, 8, 4):  # a NaN (a broken score) stays NaN, not a weight of 2^-126
-        lib = load_library(source, {}, NARROWER.get(width, ()))  # type: ignore[arg-type]
-        out7, out4 = torch.empty_like(nan), torch.empty_like(nan)
-        lib.exp2s(ctypes.c_void_p(nan.data_ptr()), ctypes.c_int64(16), ctypes.c_void_p(out7.data_ptr()),
-                  ctypes.c_void_p(out4.data_ptr()))
-        assert out7.isnan().all() and out4.isnan().all()
+    for lib in libs.values():  # a NaN (a broken score) stays NaN, not a weight of 2^-126
+        assert all(out.isnan().all() for out in exp2s(lib, torch.full((16,), float("nan"))))
     exact = torch.exp2(x.double().clamp(min=-126.0))
     for width in (None, 4):
         assert ((results[width][0].double() - exact).abs() <= exact * 2**-20).all()
