@@ -277,10 +277,10 @@ static inline vf madd(vf a, vf b, vf c) {
 // bfloat16 weights) takes 4: relative error under 5e-5.
 //
 // exp2_neg_n: the same on N vectors in place, step by step across them. One vector's steps are a chain of ~13
-// dependent instructions (~50 cycles); a loop that calls exp2_neg on one vector after another keeps only as
-// many in flight as the core's scheduler holds, where N independent chains side by side fill both vector
-// ports: SiLU-and-multiply 1.19-1.44x faster with N = 4 (`bench.elementwise --versus-rev`). Not in the decode
-// kernel's softmax, where other work already overlaps the chain (0.98-0.99x there).
+// dependent instructions (~50 cycles; ~11 under AVX-512, below); a loop that calls exp2_neg on one vector after
+// another keeps only as many in flight as the core's scheduler holds, where N independent chains side by side fill
+// both vector ports: SiLU-and-multiply 1.19-1.44x faster with N = 4 (`bench.elementwise --versus-rev`). Not in the
+// decode kernel's softmax, where other work already overlaps the chain (0.98-0.99x there).
 template <int N, int DEGREE = 7>
 static inline void exp2_neg_n(vf* x) {
   static_assert(DEGREE >= 1 && DEGREE <= 7, "the series' terms below go to degree 7");
@@ -291,7 +291,8 @@ static inline void exp2_neg_n(vf* x) {
 #if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
   // AVX-512: n by `vrndscaleps` (to nearest, ties to even, as the 1.5 * 2^23 trick below) and p * 2^n by
   // `vscalefps`, which is exact where p * two_n is: the same bits as the narrower widths' arithmetic (tests
-  // compare them) in 5 fewer instructions. The AMX prompt kernel's softmax 1.03-1.05x (BENCHMARKS.md).
+  // compare them) in 11 vector instructions at degree 7 where that arithmetic compiles to 15 here (g++ -O2
+  // -march=native, broadcasts aside). The AMX prompt kernel's softmax 1.03-1.05x (BENCHMARKS.md).
   if constexpr (L == 16) {
     __m512 n[N], f[N], p[N];
 #pragma GCC unroll 16

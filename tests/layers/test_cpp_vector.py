@@ -115,7 +115,7 @@ def test_line_aligned_buffer_starts_on_a_line_and_grows_only_when_asked_for_more
 
 
 def test_exp2_neg_is_the_same_bits_at_every_width(tmp_path: Path) -> None:
-    """exp2_neg has its own AVX-512 form (round to an integer and `vscalefps`, five instructions fewer than the
+    """exp2_neg has its own AVX-512 form (round to an integer and `vscalefps`, four vector instructions fewer than the
     exponent-field arithmetic the narrower widths run); it gives AVX2's bits for every x <= 0, the clamp at -126
     and the results below float32's normal range included, NaN stays NaN, and stays within 2^-20 (degree 7)
     of 2^x."""
@@ -131,7 +131,8 @@ def test_exp2_neg_is_the_same_bits_at_every_width(tmp_path: Path) -> None:
                   ctypes.c_void_p(out4.data_ptr()))
         return out7, out4
 
-    libs = {width: load_library(source, {}, NARROWER.get(width, ())) for width in (None, 8, 4)}  # type: ignore[arg-type]
+    widths = (None, 8, 4)
+    libs = {width: load_library(source, {}, NARROWER.get(width, ())) for width in widths}  # type: ignore[arg-type]
     results = {width: exp2s(lib, x) for width, lib in libs.items()}
     # AVX2's 8 lanes have the same fused multiply-adds; the 4-lane build (no FMA) rounds each product apart
     assert torch.equal(results[None][0], results[8][0]) and torch.equal(results[None][1], results[8][1])
