@@ -559,19 +559,28 @@ static void widen_q8(const uint8_t* rec, uint16_t* out) {
 static inline bool takes(int64_t M) { return granted && M >= MIN_ROWS; }
 
 // The layer (q4_linear's arguments, or q8_linear's with widen_q8 and RECORD_Q8) on the tiles.
+// Rows padded to a multiple of MR, and the offset (in bfloat16 values) of row r's first value in the A tiles' order:
+// per 16 rows and block of 32 k, the tile's 16 rows of 32 values (1 KiB, one contiguous load).
+static inline int64_t padded_rows(int64_t M) { return (M + MR - 1) / MR * MR; }
+static inline int64_t a_row(int64_t r, int64_t nb) { return (r / 16 * nb * 16 + r % 16) * QK; }
+
+// x_ready: x already in bfloat16 in the A tiles' order (padded_rows(M) rows; x is then not read). y_next: with
+// silu_mul, the output goes there instead of y, in bfloat16 in the A tiles' order for a next layer of K = N / 2 (its
+// padding rows zero): the values that layer would round from y, so the same bits as through y (see mlp).
 template <void (*Widen)(const uint8_t*, uint16_t*), int64_t Record>
 static void linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
-                   bool silu_mul) {
-  const int64_t nb = K / QK, mp = (M + MR - 1) / MR * MR;
+                   bool silu_mul, const uint16_t* x_ready = nullptr, uint16_t* y_next = nullptr) {
+  const int64_t nb = K / QK, mp = padded_rows(M);
   thread_local LineAlignedBuffer<uint16_t> xs;  // x in bfloat16, mp rows (the calling thread's, kept between calls)
-  uint16_t* xb = xs.reserve(mp * K);
+  uint16_t* const xw = x_ready ? nullptr : xs.reserve(mp * K);  // where x is rounded to
+  const uint16_t* const xb = x_ready ? x_ready : xw;
   const int64_t tiles = N / NR, pairs = silu_mul ? tiles / 2 : (tiles + 1) / 2, yn = silu_mul ? N / 2 : N;
+  const int64_t nb_next = yn / QK;
 #pragma omp parallel
   {
-    // x in the A tiles' order: per 16 rows and block, the tile's 16 rows of 32 values (1 KiB, one contiguous load)
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < mp; ++r) {
-      uint16_t* o = xb + (r / 16 * nb * 16 + r % 16) * QK;  // row r of its group's first tile
+    for (int64_t r = 0; r < (x_ready ? 0 : mp); ++r) {
+      uint16_t* o = xw + a_row(r, nb);  // row r of its group's first tile
       for (int64_t b = 0; b < nb; ++b) {
         for (int64_t h = 0; h < QK; h += 16) {
           const __m256i v = r < M ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * K + b * QK + h))
@@ -642,7 +651,6 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
           for (int64_t r = 0; r < rows; ++r) {
             const __m512 g = _mm512_add_ps(_mm512_load_ps(c + r * 32), bias0);
             const __m512 u = _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), bias1);
-            float* yr = y + (r0 + r) * yn;
             if (silu_mul) {
               vf xv[1];
               std::memcpy(&xv[0], &g, sizeof(vf));
@@ -650,16 +658,43 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
               vf up;
               std::memcpy(&up, &u, sizeof(vf));
               const vf out = xv[0] * up;
-              std::memcpy(yr + t0 * NR, &out, sizeof(vf));
+              if (y_next) {  // columns t0 * NR .. + 15 of the next layer's row: half of its block t0 / 2
+                __m512 o;
+                std::memcpy(&o, &out, sizeof(vf));
+                _mm256_store_si256(reinterpret_cast<__m256i*>(y_next + a_row(r0 + r, nb_next) + t0 / 2 * 16 * QK +
+                                                              t0 % 2 * NR),
+                                   (__m256i)_mm512_cvtneps_pbh(o));
+              } else {
+                std::memcpy(y + (r0 + r) * yn + t0 * NR, &out, sizeof(vf));
+              }
             } else {
+              float* yr = y + (r0 + r) * yn;
               _mm512_storeu_ps(yr + t0 * NR, g);
               if (second) _mm512_storeu_ps(yr + t1 * NR, u);
             }
           }
+          for (int64_t r = rows; y_next && r < MR; ++r)  // padding rows: zeros, as the rounding of x writes them
+            _mm256_store_si256(reinterpret_cast<__m256i*>(y_next + a_row(r0 + r, nb_next) + t0 / 2 * 16 * QK +
+                                                          t0 % 2 * NR),
+                               _mm256_setzero_si256());
         }
       }
     }
   }
+}
+
+// A gated MLP's two projections in one call: y = (silu(x w_gate^T) * (x w_up^T)) w_down^T, x (M, H), w_gate_up the
+// gate_up layer's records (2I outputs), w_down the down layer's (I -> H), y (M, H). The gate_up pass writes its
+// output straight into the down pass's bfloat16 rows in the tiles' order, where the two calls write it as float32
+// (M x I: 12.6 MB at 2,048 rows of the default model), read it back and round it: the same bits, since the values
+// rounded are the same float32 ones.
+template <void (*Widen)(const uint8_t*, uint16_t*), int64_t Record>
+static void mlp(const float* x, const uint8_t* w_gate_up, const uint8_t* w_down, float* y, int64_t M, int64_t H,
+                int64_t I) {
+  thread_local LineAlignedBuffer<uint16_t> hs;  // the gate_up pass's output, padded_rows(M) rows of I
+  uint16_t* h = hs.reserve(padded_rows(M) * I);
+  linear<Widen, Record>(x, w_gate_up, nullptr, nullptr, M, 2 * I, H, true, nullptr, h);
+  linear<Widen, Record>(nullptr, w_down, nullptr, y, M, H, I, false, h);
 }
 }  // namespace q4amx
 #endif
@@ -753,4 +788,26 @@ extern "C" void pagoda_q8_linear(const float* x, const uint8_t* w, const float* 
 extern "C" void pagoda_q8_linear_silu_mul(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M,
                                           int64_t N, int64_t K) {
   q8_linear(x, w, bias, y, M, N, K, true);
+}
+
+// A gated MLP (no biases) in one call: y (M, H) = (silu(x w_gate^T) * (x w_up^T)) w_down^T, x (M, H) float32,
+// w_gate_up and w_down the two layers' records (both Q4_1 when q8 is 0, both Q8_0 when 1), I the intermediate size.
+// The same float32 bits as pagoda_q4_linear_silu_mul and then pagoda_q4_linear (or q8's): where the tiles take
+// the step the intermediate stays in bfloat16 (q4amx::mlp); elsewhere the two calls through a scratch buffer.
+extern "C" void pagoda_packed_mlp(const float* x, const uint8_t* w_gate_up, const uint8_t* w_down, float* y,
+                                  int64_t M, int64_t H, int64_t I, int64_t q8) {
+#ifdef PAGODA_Q4_AMX
+  if (q4amx::takes(M)) {
+    if (q8)
+      q4amx::mlp<q4amx::widen_q8, RECORD_Q8>(x, w_gate_up, w_down, y, M, H, I);
+    else
+      q4amx::mlp<q4amx::widen, RECORD_Q4>(x, w_gate_up, w_down, y, M, H, I);
+    return;
+  }
+#endif
+  thread_local LineAlignedBuffer<float> hs;  // the intermediate, M x I
+  float* h = hs.reserve(M * I);
+  const auto layer = q8 ? q8_linear : q4_linear;
+  layer(x, w_gate_up, nullptr, h, M, 2 * I, H, true);
+  layer(h, w_down, nullptr, y, M, H, I, false);
 }

@@ -66,6 +66,9 @@ def q4_library(portable: bool = False, rev: str | None = None, no_vnni: bool = F
         if rev is None or hasattr(lib, name):  # revisions before them lack them
             getattr(lib, name).argtypes = [ptr] * 4 + [i64] * 3
             getattr(lib, name).restype = None
+    if rev is None or hasattr(lib, "pagoda_packed_mlp"):
+        lib.pagoda_packed_mlp.argtypes = [ptr] * 4 + [i64] * 4
+        lib.pagoda_packed_mlp.restype = None
     lib.pagoda_q8_linear.argtypes = [ptr] * 4 + [i64] * 3
     lib.pagoda_q8_linear.restype = None
     lib.pagoda_q4_vectorized.restype = ctypes.c_int
@@ -198,16 +201,37 @@ class PackedLinear:
             raise ValueError(f"{type(self).__name__} of {self.out_features} outputs has no fused SiLU-and-multiply")
         return self._run(self.silu_mul_kernel, x, self.out_features // 2)
 
-    def _run(self, kernel: Any, x: torch.Tensor, width: int) -> torch.Tensor:
-        shape = x.shape
+    def fuses_mlp_with(self, down: PackedLinear | None) -> bool:
+        """Whether mlp(x, down) serves this gate_up layer and that down layer: the same packing, no biases, and a
+        library that has the call."""
+        return (down is not None and type(down) is type(self) and self.silu_mul_kernel is not None
+                and self.bias is None and down.bias is None and down.in_features == self.out_features // 2
+                and down.out_features == self.in_features and hasattr(self.lib, "pagoda_packed_mlp"))
+
+    def mlp(self, x: torch.Tensor, down: PackedLinear) -> torch.Tensor:
+        """down(silu(gate) * up) of this gate_up layer's output, in one call (pagoda_packed_mlp): the same float32
+        bits as down(self.silu_mul(x)); where the AMX tiles take the step, the intermediate never leaves bfloat16."""
+        if not self.fuses_mlp_with(down):
+            raise ValueError(f"{type(self).__name__} cannot run an MLP with {type(down).__name__}")
+        x2, y = self._input(x, self.in_features)
+        if x2.shape[0]:
+            self.lib.pagoda_packed_mlp(x2.data_ptr(), self.w.data_ptr(), down.w.data_ptr(), y.data_ptr(),
+                                       x2.shape[0], self.in_features, down.in_features, int(isinstance(self, Q8Linear)))
+        return y.reshape(*x.shape[:-1], self.in_features)
+
+    def _input(self, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x as (rows, in_features) contiguous float32, and an empty float32 output of (rows, width)."""
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        y = torch.empty((x2.shape[0], width), dtype=torch.float32)
+        return x2, torch.empty((x2.shape[0], width), dtype=torch.float32)
+
+    def _run(self, kernel: Any, x: torch.Tensor, width: int) -> torch.Tensor:
+        x2, y = self._input(x, width)
         if x2.shape[0]:
             kernel(x2.data_ptr(), self.w.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
                    y.data_ptr(), x2.shape[0], self.out_features, self.in_features)
-        return y.reshape(*shape[:-1], width)
+        return y.reshape(*x.shape[:-1], width)
 
 
 class Q8Linear(PackedLinear):

@@ -142,11 +142,12 @@ class Attention(nn.Module):
 
 class GateUpSiLU(nn.Module):
     """silu(gate) * up straight from packed gate_up weights (PackedLinear.silu_mul: one C++ call, the (T, 2I)
-    projection never written out). A module of its own, without parameters, so that `--profile` times it as the
-    MLP's linear (pagoda/profiler.py): SiLU's share moves from mlp_activation into mlp_linear."""
+    projection never written out), and with down given the down projection of it in the same call
+    (PackedLinear.mlp). A module of its own, without parameters, so that `--profile` times it as the MLP's linear
+    (pagoda/profiler.py): SiLU's share moves from mlp_activation into mlp_linear."""
 
-    def forward(self, x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
-        return packed.silu_mul(x)
+    def forward(self, x: torch.Tensor, packed: PackedLinear, down: PackedLinear | None = None) -> torch.Tensor:
+        return packed.silu_mul(x) if down is None else packed.mlp(x, down)
 
 
 class MLP(nn.Module):
@@ -164,8 +165,12 @@ class MLP(nn.Module):
         # the fused kernel runs): one call, the same float32 bits as the two below (SILU_MUL_FUSED_MIN_ROWS says
         # where it pays). Under torch ops (a compiled forward) the projection and torch's SiLU, as the model is
         # otherwise.
+        # With the down projection packed alike, the two in one call (PackedLinear.mlp: the same bits again).
         if (packed is not None and packed.silu_mul_kernel is not None and self.ops.lib is not None
                 and x.shape[0] >= q4_linear.SILU_MUL_FUSED_MIN_ROWS):
+            down = packed_of(self.down_proj)
+            if packed.fuses_mlp_with(down):
+                return self.gate_up_silu(x, packed, down)
             return self.down_proj(self.gate_up_silu(x, packed))
         gate_up = self.gate_up_proj(x)
         n = self.intermediate_size

@@ -197,6 +197,32 @@ def test_gate_up_fused_with_silu_mul_gives_the_same_bits(build: str, layer_type:
         odd.silu_mul(torch.randn(1, 64))
 
 
+@pytest.mark.parametrize("layer_type", [Q4Linear, Q8Linear])
+@pytest.mark.parametrize("build", ["vnni", "avx2", "portable"])
+def test_mlp_in_one_call_gives_the_same_bits(build: str, layer_type: type) -> None:
+    """pagoda_packed_mlp: down(silu(gate) * up) in one call, bit for bit the fused gate_up and then the down layer,
+    at row counts on both sides of the AMX tiles' threshold and of their passes of 32 rows (where the CPU has AMX, the
+    intermediate goes to the down pass in bfloat16, padding rows included); only layers packed alike and without
+    biases fuse."""
+    lib = q4_linear.q4_library(portable=build == "portable", no_vnni=build == "avx2")
+    g = torch.Generator().manual_seed(10)
+    for h, i in ((576, 1536), (64, 96)):
+        gate_up = layer_type(torch.randn(2 * i, h, generator=g) * 0.1, None, lib)
+        down = layer_type(torch.randn(h, i, generator=g) * 0.1, None, lib)
+        assert gate_up.fuses_mlp_with(down)
+        for rows in (1, 5, 31, 32, 33, 64, 100, 257):
+            x = torch.randn(rows, h, generator=g) * 3
+            assert torch.equal(gate_up.mlp(x, down), down(gate_up.silu_mul(x))), (h, rows)
+    assert gate_up.mlp(torch.randn(2, 3, 64), down).shape == (2, 3, 64)
+    assert gate_up.mlp(torch.randn(0, 64), down).shape == (0, 64)
+    other = Q8Linear if layer_type is Q4Linear else Q4Linear
+    biased = layer_type(torch.randn(64, 96), torch.randn(64), lib)
+    for wrong in (None, other(torch.randn(64, 96), None, lib), biased, layer_type(torch.randn(64, 64), None, lib)):
+        assert not gate_up.fuses_mlp_with(wrong)
+    with pytest.raises(ValueError, match="cannot run an MLP"):
+        gate_up.mlp(torch.randn(1, 64), biased)
+
+
 def test_leading_dimensions_and_empty_input() -> None:
     layer = Q4Linear(torch.randn(32, 64), None, q4_linear.q4_library())
     x = torch.randn(2, 3, 64)
