@@ -530,14 +530,16 @@ static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
 static void widen(const uint8_t* rec, uint16_t* out) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + TILE_BYTES)));
   const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + TILE_BYTES + 2 * NR)));
-  const __m512i byte = _mm512_set1_epi32(0xff);
+  // q as float32 by a lane permute of 0 .. 15 (`vpermps` reads only an index's low 4 bits, so the nibble needs no
+  // mask): 3 vector instructions a value vector where shifting, masking and converting took 4, plus the halves'
+  // masks (the same bits; `q4amx` calls of 32-128 rows 1.03-1.18x, BENCHMARKS.md)
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int p = 0; p < 4; ++p) {
     const __m512i v = _mm512_loadu_si512(rec + p * 64);
     for (int half = 0; half < 2; ++half) {
-      const __m512i nib = _mm512_and_si512(half ? _mm512_srli_epi32(v, 4) : v, _mm512_set1_epi32(0x0f0f0f0f));
       __m512 f[4];
       for (int i = 0; i < 4; ++i)
-        f[i] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(nib, 8 * i), byte)), m);
+        f[i] = _mm512_fmadd_ps(d, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * i + 4 * half), iota), m);
       const int64_t j = half * 8 + 2 * p;  // k = 2j = 16 half + 4p
       _mm512_storeu_si512(out + j * 32, bf16_pairs(f[0], f[1]));
       _mm512_storeu_si512(out + (j + 1) * 32, bf16_pairs(f[2], f[3]));
