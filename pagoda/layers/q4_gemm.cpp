@@ -503,10 +503,11 @@ static Rounded round_into_scratch(const float* x, int64_t M, int64_t K, bool sum
 // rows of 16 columns' (k, k + 1) pairs: 1 KiB), and runs every 32 rows of x past them: two A tiles (16 rows x 32
 // k), two B, four float32 sums 16 x 16.
 namespace q4amx {
-// The fewest rows of a call that take the tiles: on the Xeon the tiles (which compute rows in passes of 32, and
-// widen each call's weights) ran 0.57-0.63x the VNNI kernel at 16 rows, 0.84-0.96x at 24, 1.08-1.24x at 32 and
-// 1.14-1.39x at 48 (BENCHMARKS.md, "AMX tiles for Q4_1").
-constexpr int64_t MIN_ROWS = 32;
+// The fewest rows of a call that take the tiles (which compute rows in passes of 32, and widen each call's weights).
+// On the Xeon, against the VNNI kernel: Q4_1 0.86-0.99x at 16 rows, 1.01-1.20x at 20, 1.17-1.36x at 24 and 1.33-1.56x
+// at 28; Q8_0 (the lm_head's 49,152 outputs and 960) 0.84-0.95x at 16, 1.07-1.10x at 20 (BENCHMARKS.md, "Weight tiles
+// past L1"; 32 until the tiles' loads and widening got faster).
+constexpr int64_t MIN_ROWS = 20;
 constexpr int64_t MR = 32;        // rows a pass: two A tiles
 constexpr int64_t CHUNK = 8;      // pairs of tiles widened at a time (256 columns: 288-768 KiB of bfloat16)
 constexpr int64_t B_ELEMS = 16 * 32;  // bfloat16 values of one tile's block (A or B)

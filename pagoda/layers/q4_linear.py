@@ -1,7 +1,7 @@
 """`--quantization q4_1`: linear layers with 4-bit weights in Q4_1 blocks (the lm_head 8-bit, Q8_0) and
 activations quantized to int8 per block of 32 as each layer runs, in C++ (pagoda/layers/q4_gemm.cpp, which
 explains the arithmetic). It is what llama.cpp computes for a Q4_1 GGUF file on a CPU. Where the CPU has AMX
-tiles, steps of 32 rows or more (amx_min_rows: prompts, large decode batches) widen the weights to bfloat16 and
+tiles, steps of 20 rows or more (amx_min_rows: prompts, large decode batches) widen the weights to bfloat16 and
 round the rows to bfloat16 instead, a more accurate arithmetic (99.1% top-1 agreement with float32 on the default
 model against 92.8%) and 1.35-3.0x faster there (BENCHMARKS.md, "AMX tiles for Q4_1"). `--quantization q8_0`:
 every linear layer 8-bit Q8_0 weights against the same int8 activations (llama.cpp's arithmetic for a Q8_0 file):

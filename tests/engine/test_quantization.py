@@ -9,7 +9,7 @@ into noise of their own. Measured when this was written (the lm_head still float
 299 positions of text: transformers with the reference arithmetic against float32 0.109 (93.6% same top-1), the
 engine's q4_1 against float32 0.116 (95.7%), and the two q4_1 sides against each other 0.140 (93.3%): as far
 apart as two independent roundings. (bfloat16 weights and activations, for scale: 97% same top-1, BENCHMARKS.md.)
-Where the CPU has AMX tiles, Q4_1 steps of 32 rows or more (the 299-token prompt here) compute in bfloat16
+Where the CPU has AMX tiles, Q4_1 steps of 20 rows or more (the 299-token prompt here) compute in bfloat16
 instead (q4_gemm.cpp, q4amx), and the reference follows: both sides then sit ~0.03 from float32.
 
 `quantization="q8_0"` (8-bit weights for every linear) is checked the same way, layer by layer and for its distance

@@ -82,9 +82,10 @@ def test_matches_the_eager_forward_exactly(tiny_model: tuple[str, Path], seeded:
 @pytest.mark.parametrize("quantization", ["q4_1", "q8_0"])
 def test_quantized_mlp_fuses_gate_up_with_silu_mul(tiny_model: tuple[str, Path], quantization: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under q4_1 and q8_0 the eager MLP takes the gate_up projection fused with SiLU-and-multiply
-    (pagoda_q4/q8_linear_silu_mul) for steps of SILU_MUL_FUSED_MIN_ROWS rows or more (here lowered to 2: the prompts'
-    steps, not the one-row decodes), and the tokens and logprobs are the unfused path's, exactly."""
+    """Under q4_1 and q8_0 the eager MLP takes its two projections in one call (pagoda_packed_mlp, the gate_up
+    projection fused with SiLU-and-multiply and then down) for steps of SILU_MUL_FUSED_MIN_ROWS rows or more (here
+    lowered to 2: the prompts' steps, not the one-row decodes); the tokens and logprobs are those of the fused gate_up
+    and then down as two calls (pagoda_q4/q8_linear_silu_mul), and of the unfused path, exactly."""
     from pagoda.layers import q4_linear
 
     _, folder = tiny_model
@@ -94,13 +95,20 @@ def test_quantized_mlp_fuses_gate_up_with_silu_mul(tiny_model: tuple[str, Path],
     packed = [q4_linear.packed_of(layer.mlp.gate_up_proj) for layer in model.model.layers]
     assert all(p is not None and p.silu_mul_kernel is not None for p in packed)
     model.one_stream_forward = None  # every step through the eager MLP
-    calls = []
-    real = type(packed[0]).silu_mul
+    calls: list[tuple[str, int]] = []
+    cls = type(packed[0])
+    real_mlp, real_silu_mul = cls.mlp, cls.silu_mul
     monkeypatch.setattr(q4_linear, "SILU_MUL_FUSED_MIN_ROWS", 2)
-    monkeypatch.setattr(type(packed[0]), "silu_mul", lambda self, x: calls.append(x.shape[0]) or real(self, x))
+    monkeypatch.setattr(cls, "mlp", lambda self, x, down: calls.append(("mlp", x.shape[0])) or real_mlp(self, x, down))
+    monkeypatch.setattr(cls, "silu_mul",
+                        lambda self, x: calls.append(("silu_mul", x.shape[0])) or real_silu_mul(self, x))
     fused = _generate(llm, seeded=False)
     prompts = [n for n in PROMPT_LENS if n >= 2]  # each prompt of 2 tokens or more in one step, every layer
-    assert sorted(calls) == sorted(n for n in prompts for _ in model.model.layers)
+    assert sorted(calls) == sorted(("mlp", n) for n in prompts for _ in model.model.layers)
+    calls.clear()
+    monkeypatch.setattr(cls, "fuses_mlp_with", lambda self, down: False)  # gate_up with SiLU, then down: two calls
+    assert _generate(llm, seeded=False) == fused
+    assert sorted(calls) == sorted(("silu_mul", n) for n in prompts for _ in model.model.layers)
     for p in packed:
         p.silu_mul_kernel = None  # the MLP falls back to the projection, then the elementwise op
     assert _generate(llm, seeded=False) == fused
