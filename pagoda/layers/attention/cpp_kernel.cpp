@@ -1020,6 +1020,27 @@ static inline elem_t to_elem(float x) { return f_to_bf16(x); }
 static inline elem_t to_elem(float x) { return elem_t(x); }  // the conversion rounds to nearest even
 #endif
 
+// n values to elem_t: float16 by `vcvtps2ph` 16 or 8 at a time (the compiler left the loop of `_Float16(x)` scalar,
+// `vcvtss2sh` a value), which rounds to nearest even as that conversion does; otherwise element by element.
+template <typename In>
+static inline void to_elems(const In* in, elem_t* out, int64_t n) {
+  if constexpr (std::is_same_v<In, elem_t>) {
+    std::memcpy(out, in, n * sizeof(elem_t));
+  } else {
+    int64_t i = 0;
+#if PAGODA_ELEM == 2 && defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                          _mm512_cvtps_ph(_mm512_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif PAGODA_ELEM == 2 && defined(__F16C__) && !defined(PAGODA_PORTABLE)
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; ++i) out[i] = to_elem(in[i]);
+  }
+}
+
 template <typename In>
 static void write_rows(elem_t* k, elem_t* v, const In* k_new, const In* v_new, int64_t stride, const int64_t* slots,
                        int64_t T) {
@@ -1030,8 +1051,12 @@ static void write_rows(elem_t* k, elem_t* v, const In* k_new, const In* v_new, i
     const In* vr = v_new + t * stride;
     elem_t* kb = k + block * HKV * D * BS + offset;
     elem_t* vb = v + (block * BS + offset) * HKV * D;
-    for (int64_t i = 0; i < HKV * D; ++i) kb[i * BS] = to_elem(kr[i]);
-    for (int64_t i = 0; i < HKV * D; ++i) vb[i] = to_elem(vr[i]);
+    // K's row converted whole into a local copy, then spread; V's straight into the cache (each value converted and
+    // stored on its own, these were 2.1% of a q4_1 run's samples)
+    alignas(64) elem_t kc[HKV * D];
+    to_elems(kr, kc, HKV * D);
+    for (int64_t i = 0; i < HKV * D; ++i) kb[i * BS] = kc[i];
+    to_elems(vr, vb, HKV * D);
   }
 }
 
