@@ -31,18 +31,21 @@ using silu_mul_fn = void (*)(const void* gate, const void* up, int64_t in_stride
 // or quantized to an int8 one's (with its scales ks, vs; null for caches without them)
 using write_kv_fn = void (*)(void* k, void* v, void* ks, void* vs, const void* k_new, const void* v_new, int64_t stride,
                              const int64_t* slots, int64_t T);
+using mlp_fn = void (*)(const void* x, const void* w_gate_up, const void* w_down, void* y, int64_t M, int64_t H,
+                        int64_t I, int64_t q8);
 using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, const void* v, const void* ks,
                            const void* vs, const float* table, const int64_t* block_tables, const int64_t* seq_lens,
                            float* out, float* work, int64_t B, int64_t W, int64_t span_blocks, float qscale);
 
 // fns: gemv, add_rms_norm, rotary, silu_mul, write_kv (the cache layout's pagoda_write_kv_rows or _f32),
-// paged_decode_rows, and the lm_head's linear (the GEMV, or a quantized model's Q8_0 kernel, whose signature is the
-// GEMV's).
+// paged_decode_rows, the lm_head's linear (the GEMV, or a quantized model's Q8_0 kernel, whose signature is the
+// GEMV's), and a packed model's MLP in one call (pagoda_packed_mlp, q4_gemm.cpp) or null.
 // layers: per layer LAYER_PTRS addresses, in this order: input norm weight, qkv weight, qkv bias (or null),
 // o weight, o bias (or null), post-attention norm weight, gate_up weight, down weight, K cache, V cache, K scales, V
 // scales (null for caches without them).
-// dims: hidden, q heads, KV heads, head_dim, intermediate, and 1 where a bfloat16 model's K and V rows go to the
-// cache write as float32 (an int8 cache's write quantizes float32 rows; the eager path converts them too), else 0.
+// dims: hidden, q heads, KV heads, head_dim, intermediate, 1 where a bfloat16 model's K and V rows go to the cache
+// write as float32 (an int8 cache's write quantizes float32 rows; the eager path converts them too) else 0, the fewest
+// rows that take the MLP in one call (0: never), and that call's q8 argument.
 // bufs, each for B rows: residual (hidden), h (hidden), qkv, q as float32 (or K and V for that write: max(q, 2 x KV)
 // heads x head_dim a row), attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x
 // (hidden), all of elem_t except the two float32 ones (unused for a float32 model, whose q and output the kernel
@@ -52,7 +55,8 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
 // lm_w, logits, V: the lm_head's weight (plain or packed), and where its B x V outputs go (the lm_head's output
 // dtype); logits null: no lm_head. ts: null, or OP_COUNT doubles to which each kind of call adds its wall time, in
 // this order: norm, qkv_proj, rotary (with gathering the rows' cos and sin), write_kv, attention (with the bfloat16
-// model's conversions of q and of the output), o_proj, gate_up_proj, silu_mul, down_proj, lm_head (`--profile`
+// model's conversions of q and of the output), o_proj, gate_up_proj (the whole MLP where it is one call), silu_mul,
+// down_proj, lm_head (`--profile`
 // reports them; two clock reads a call, ~20 us a step).
 // Returns 0, or 1 without computing anything where a position is past the rotary tables' max_positions rows (the
 // eager forward then raises its index error).
@@ -91,7 +95,9 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
   const auto write_kv = reinterpret_cast<write_kv_fn>(fns[4]);
   const auto decode = reinterpret_cast<decode_fn>(fns[5]);
   const auto lm_head = reinterpret_cast<gemv_fn>(fns[6]);
+  const auto mlp = reinterpret_cast<mlp_fn>(fns[7]);
   const int64_t H = dims[0], HQ = dims[1], HKV = dims[2], D = dims[3], I = dims[4];
+  const bool mlp_call = mlp != nullptr && dims[6] > 0 && B >= dims[6];
   [[maybe_unused]] const bool kv_as_f32 = dims[5] != 0;
   const int64_t QS = HQ * D, KVS = HKV * D, QKV = QS + 2 * KVS;
   auto* residual = static_cast<elem_t*>(bufs[0]);
@@ -155,6 +161,10 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
     });
     timed(ts, OP_O, [&] { gemv(attn, p[3], p[4], o, B, H, QS); });
     timed(ts, OP_NORM, [&] { norm(o, H, residual, p[5], h, B, H, eps); });
+    if (mlp_call) {  // the same bits as the three calls below
+      timed(ts, OP_GATE_UP, [&] { mlp(h, p[6], p[7], x, B, H, I, dims[7]); });
+      continue;
+    }
     timed(ts, OP_GATE_UP, [&] { gemv(h, p[6], nullptr, gate_up, B, 2 * I, H); });
     timed(ts, OP_SILU_MUL, [&] { silu_mul(gate_up, gate_up + I, 2 * I, act, B, I); });
     timed(ts, OP_DOWN, [&] { gemv(act, p[7], nullptr, x, B, H, I); });

@@ -41,7 +41,7 @@ from pagoda.layers.attention.cpp import _library_for as _attention_library
 from pagoda.layers.attention.cpp import supports as cpp_supports
 from pagoda.layers.cpp_build import load_library
 from pagoda.layers.linear import GEMV_DTYPES, GEMV_MAX_ROWS, _gemv_library, gemv_function
-from pagoda.layers.q4_linear import packed_of
+from pagoda.layers.q4_linear import Q8Linear, amx_min_rows, packed_of
 
 if TYPE_CHECKING:
     from pagoda.model.llama import DecoderLayer, LlamaForCausalLM
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("one_stream.cpp")
 _LAYER_PTRS = 12  # as in one_stream.cpp
 # The kinds of call the forward can time (one_stream.cpp's OneStreamOp, in its order): `--profile` reports each
-# as forward/one_call/<kind>.
+# as forward/one_call/<kind>; where a packed model's MLP is one call, gate_up_proj times all of it.
 OPS = ("norm", "qkv_proj", "rotary", "write_kv", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj",
        "lm_head")
 _ELEM = {torch.float32: 0, torch.bfloat16: 1}  # one_stream.cpp's PAGODA_ELEM
@@ -83,14 +83,28 @@ class OneStreamForward:
         linear_fn = quantized.kernel if quantized is not None else gemv_function(_gemv_library(), dtype)
         lm_head = _lm_head(model)
         self._lm_w = lm_head[1] if lm_head is not None else None
+        # The most rows whose lm_head the call runs: a packed kernel takes any number, the GEMV 1-GEMV_MAX_ROWS (a
+        # quantized model whose lm_head could not be packed, its vocabulary not whole tiles, has the GEMV there,
+        # where steps of more decodes leave its logits to the caller: with them in the call, rows past the GEMV's
+        # were left unwritten)
+        self._lm_rows = sys.maxsize if packed_of(model.lm_head) is not None else GEMV_MAX_ROWS
         self._logits_dtype = lm_head[2] if lm_head is not None else dtype
         self._vocab = model.lm_head.out_features
         # the eager path's cache write (cpp.write_kv): rows in the cache's dtype copied, float32 ones rounded (or
         # quantized)
         write = attention.pagoda_write_kv_rows if kv_caches[0].k.dtype == dtype else attention.pagoda_write_kv_f32
+        # A packed model's MLP in one call (PackedLinear.mlp: the same bits as its three calls) for steps the AMX
+        # tiles take: there the gate_up pass hands the down pass its output in bfloat16; 1.25-1.29x the three calls
+        # at 20-256 rows (BENCHMARKS.md, "Weight tiles past L1"). Fewer rows keep the three calls, and so does a CPU
+        # without the tiles, where the fused gate_up and SiLU had made one stream's steps slower.
+        mlps = [(packed_of(layer.mlp.gate_up_proj), packed_of(layer.mlp.down_proj)) for layer in layers]
+        mlp_rows = amx_min_rows(quantized.lib) if quantized is not None else 0
+        if not mlp_rows or not all(gu is not None and gu.fuses_mlp_with(down) for gu, down in mlps):
+            mlp_rows = 0
         fns = [linear_fn, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
                elementwise.pagoda_silu_mul, write, attention.pagoda_paged_decode_rows,
-               lm_head[0] if lm_head is not None else linear_fn]
+               lm_head[0] if lm_head is not None else linear_fn,
+               quantized.lib.pagoda_packed_mlp if mlp_rows and quantized is not None else None]
         self._fns = (ctypes.c_void_p * len(fns))(*[_address(f) for f in fns])
 
         def ptr(t: torch.Tensor | None) -> int | None:
@@ -117,7 +131,9 @@ class OneStreamForward:
         self._cfg = cfg
         kv_as_f32 = dtype == torch.bfloat16 and kv_caches[0].spec.quantized  # an int8 cache's write takes float32
         self._dims = torch.tensor([cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.intermediate_size, int(kv_as_f32)], dtype=torch.int64)
+                                   cfg.intermediate_size, int(kv_as_f32), mlp_rows,
+                                   int(isinstance(quantized, Q8Linear))], dtype=torch.int64)
+        self.mlp_min_rows = mlp_rows  # the fewest decodes a step has for its MLP to be one call (0: never)
         self._rows = self._work_floats = 0  # what the scratch buffers hold (_scratch)
         self._bufs_tensors: list[torch.Tensor] = []
         self._bufs = (ctypes.c_void_p * _BUFFERS)()
@@ -174,12 +190,14 @@ class OneStreamForward:
         cfg = self._cfg
         self._scratch(b, b * spans * cfg.num_heads * (cfg.head_dim + 2))
         out = torch.empty((b, self._hidden), dtype=self._dtype)
-        logits = None if self._lm_w is None else torch.empty((b, self._vocab), dtype=self._logits_dtype)
+        lm = self._lm_w is not None and b <= self._lm_rows
+        logits = torch.empty((b, self._vocab), dtype=self._logits_dtype) if lm else None
         failed = self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale,
                           self._bufs, b, ids.data_ptr(), self._embed.data_ptr(), self._final_norm.data_ptr(),
                           self._cos.data_ptr(), self._sin.data_ptr(), self._cos.stride(0), self._cos.shape[0],
                           pos.data_ptr(), slots.data_ptr(), table.data_ptr(), seq_lens.data_ptr(), width, span_blocks,
-                          out.data_ptr(), self._lm_w, None if logits is None else logits.data_ptr(), self._vocab,
+                          out.data_ptr(), self._lm_w if lm else None, None if logits is None else logits.data_ptr(),
+                          self._vocab,
                           None if op_seconds is None else _seconds_buffer(op_seconds))
         return None if failed else (out, logits)
 

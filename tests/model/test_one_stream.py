@@ -187,6 +187,44 @@ def test_batched_decode_steps_match_the_eager_forward(tiny_model: tuple[str, Pat
     assert max(taken) == 4 and 1 in taken and len(set(taken)) >= 3  # full batches, shrinking ones, a last sequence
 
 
+@pytest.mark.parametrize("quantization", ["q4_1", "q8_0"])
+def test_quantized_decode_steps_of_many_rows(tiny_model: tuple[str, Path], quantization: str) -> None:
+    """Under q4_1 and q8_0, one-call steps of more decodes than the GEMV's rows give the eager forward's tokens and
+    logprobs, exactly: the tiny models' lm_head (a vocabulary of 300, not whole tiles of 16) is not packed but the
+    GEMV's, which takes 1-4 rows, so these steps leave it to the caller (in the call, the rows past 4 had been left
+    unwritten). On a CPU with AMX tiles, steps of amx_min_rows decodes or more run each layer's MLP as one call
+    (pagoda_packed_mlp: no time in silu_mul or down_proj); without the tiles the three calls stay."""
+    from pagoda.layers.q4_linear import amx_min_rows, packed_of, q4_library
+
+    arch, folder = tiny_model
+    if arch == "qwen3":
+        return  # no one-call forward (per-head q/k norms)
+    llm = LLM(str(folder), dtype="float32", attention_backend="cpp", enable_prefix_caching=False,
+              quantization=quantization, max_num_seqs=64)
+    model = llm.engine.model
+    forward = model.one_stream_forward
+    least = amx_min_rows(q4_library())
+    assert forward is not None and forward.mlp_min_rows == least and packed_of(model.lm_head) is None
+    n = max(least, 5) + 4  # every decode step has n rows: the prompts (8 tokens each) all go in the first step
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(8)] for _ in range(n)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=8, ignore_eos=True, logprobs=1) for i in range(n)]
+
+    def generate() -> list[tuple[list[int], list[dict[int, float]]]]:
+        return [(list(r.outputs[0].token_ids), list(r.outputs[0].logprobs or []))
+                for r in llm.generate(prompts, params, use_tqdm=False)]
+
+    prof = llm.engine.enable_profiling()
+    with_it = generate()
+    report = prof.report()
+    assert prof.counts["forward/one_call"] == 7  # the decode steps
+    ms = {op: report.get(f"forward/one_call/{op}", {}).get("ms_per_step", 0.0) for op in OPS}
+    assert ms["gate_up_proj"] > 0 and ms["lm_head"] == 0  # the caller's lm_head
+    assert (ms["silu_mul"] == 0 and ms["down_proj"] == 0) if least else (ms["silu_mul"] > 0 and ms["down_proj"] > 0)
+    model.one_stream_forward = None
+    assert generate() == with_it
+
+
 def test_applies_to_decode_steps_only() -> None:
     """Decodes alone, up to max_rows of them (1 here, as a test of the limit); a prompt chunk, alone or with decodes:
     never."""
