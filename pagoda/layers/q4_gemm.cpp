@@ -564,12 +564,12 @@ static void widen_q8(const uint8_t* rec, uint16_t* out) {
 // Whether this call takes the tiles.
 static inline bool takes(int64_t M) { return granted && M >= MIN_ROWS; }
 
-// The layer (q4_linear's arguments, or q8_linear's with widen_q8 and RECORD_Q8) on the tiles.
 // Rows padded to a multiple of MR, and the offset (in bfloat16 values) of row r's first value in the A tiles' order:
 // per 16 rows and block of 32 k, the tile's 16 rows of 32 values (1 KiB, one contiguous load).
 static inline int64_t padded_rows(int64_t M) { return (M + MR - 1) / MR * MR; }
 static inline int64_t a_row(int64_t r, int64_t nb) { return (r / 16 * nb * 16 + r % 16) * QK; }
 
+// The layer (q4_linear's arguments, or q8_linear's with widen_q8 and RECORD_Q8) on the tiles.
 // x_ready: x already in bfloat16 in the A tiles' order (padded_rows(M) rows; x is then not read). y_next: with
 // silu_mul, the output goes there instead of y, in bfloat16 in the A tiles' order for a next layer of K = N / 2 (its
 // padding rows zero): the values that layer would round from y, so the same bits as through y (see mlp).

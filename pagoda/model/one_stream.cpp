@@ -56,8 +56,7 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
 // dtype); logits null: no lm_head. ts: null, or OP_COUNT doubles to which each kind of call adds its wall time, in
 // this order: norm, qkv_proj, rotary (with gathering the rows' cos and sin), write_kv, attention (with the bfloat16
 // model's conversions of q and of the output), o_proj, gate_up_proj (the whole MLP where it is one call), silu_mul,
-// down_proj, lm_head (`--profile`
-// reports them; two clock reads a call, ~20 us a step).
+// down_proj, lm_head (`--profile` reports them; two clock reads a call, ~20 us a step).
 // Returns 0, or 1 without computing anything where a position is past the rotary tables' max_positions rows (the
 // eager forward then raises its index error).
 constexpr int64_t LAYER_PTRS = 12;

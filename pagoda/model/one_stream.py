@@ -190,14 +190,14 @@ class OneStreamForward:
         cfg = self._cfg
         self._scratch(b, b * spans * cfg.num_heads * (cfg.head_dim + 2))
         out = torch.empty((b, self._hidden), dtype=self._dtype)
-        lm = self._lm_w is not None and b <= self._lm_rows
-        logits = torch.empty((b, self._vocab), dtype=self._logits_dtype) if lm else None
+        lm_in_call = self._lm_w is not None and b <= self._lm_rows
+        logits = torch.empty((b, self._vocab), dtype=self._logits_dtype) if lm_in_call else None
         failed = self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale,
                           self._bufs, b, ids.data_ptr(), self._embed.data_ptr(), self._final_norm.data_ptr(),
                           self._cos.data_ptr(), self._sin.data_ptr(), self._cos.stride(0), self._cos.shape[0],
                           pos.data_ptr(), slots.data_ptr(), table.data_ptr(), seq_lens.data_ptr(), width, span_blocks,
-                          out.data_ptr(), self._lm_w if lm else None, None if logits is None else logits.data_ptr(),
-                          self._vocab,
+                          out.data_ptr(), self._lm_w if lm_in_call else None,
+                          None if logits is None else logits.data_ptr(), self._vocab,
                           None if op_seconds is None else _seconds_buffer(op_seconds))
         return None if failed else (out, logits)
 
