@@ -187,6 +187,7 @@ class PackedLinear:
         fusable = self._silu_mul_kernel is not None and self.out_features % (2 * NR) == 0
         self.silu_mul_kernel = getattr(lib, self._silu_mul_kernel, None) if fusable else None  # type: ignore[arg-type]
         self.lib = lib
+        self.amx_rows = amx_min_rows(lib)  # the fewest rows the AMX tiles take (0: none here)
 
     def nbytes(self) -> int:
         return self.w.numel()  # bytes

@@ -165,13 +165,17 @@ class MLP(nn.Module):
         # the fused kernel runs): one call, the same float32 bits as the two below (SILU_MUL_FUSED_MIN_ROWS says
         # where it pays). Under torch ops (a compiled forward) the projection and torch's SiLU, as the model is
         # otherwise.
-        # With the down projection packed alike, the two in one call (PackedLinear.mlp: the same bits again).
-        if (packed is not None and packed.silu_mul_kernel is not None and self.ops.lib is not None
-                and x.shape[0] >= q4_linear.SILU_MUL_FUSED_MIN_ROWS):
+        # With the down projection packed alike, the two in one call (PackedLinear.mlp: the same bits again), and so
+        # from the AMX tiles' fewest rows up, where the intermediate then stays in bfloat16: 1.25-1.29x the three
+        # calls at 20-256 rows (BENCHMARKS.md, "Weight tiles past L1"; the one-call decode forward does the same).
+        if packed is not None and packed.silu_mul_kernel is not None and self.ops.lib is not None:
+            rows = x.shape[0]
             down = packed_of(self.down_proj)
-            if packed.fuses_mlp_with(down):
+            fused = rows >= q4_linear.SILU_MUL_FUSED_MIN_ROWS
+            if packed.fuses_mlp_with(down) and (fused or 0 < packed.amx_rows <= rows):
                 return self.gate_up_silu(x, packed, down)
-            return self.down_proj(self.gate_up_silu(x, packed))
+            if fused:
+                return self.down_proj(self.gate_up_silu(x, packed))
         gate_up = self.gate_up_proj(x)
         n = self.intermediate_size
         return self.down_proj(self.ops.silu_mul(gate_up[:, :n], gate_up[:, n:]))

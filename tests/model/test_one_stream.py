@@ -84,8 +84,9 @@ def test_quantized_mlp_fuses_gate_up_with_silu_mul(tiny_model: tuple[str, Path],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Under q4_1 and q8_0 the eager MLP takes its two projections in one call (pagoda_packed_mlp, the gate_up
     projection fused with SiLU-and-multiply and then down) for steps of SILU_MUL_FUSED_MIN_ROWS rows or more (here
-    lowered to 2: the prompts' steps, not the one-row decodes); the tokens and logprobs are those of the fused gate_up
-    and then down as two calls (pagoda_q4/q8_linear_silu_mul), and of the unfused path, exactly."""
+    lowered to 2: the prompts' steps, not the one-row decodes), and of the AMX tiles' fewest rows or more where the
+    CPU has them; the tokens and logprobs are those of the fused gate_up and then down as two calls
+    (pagoda_q4/q8_linear_silu_mul), and of the unfused path, exactly."""
     from pagoda.layers import q4_linear
 
     _, folder = tiny_model
@@ -105,6 +106,13 @@ def test_quantized_mlp_fuses_gate_up_with_silu_mul(tiny_model: tuple[str, Path],
     fused = _generate(llm, seeded=False)
     prompts = [n for n in PROMPT_LENS if n >= 2]  # each prompt of 2 tokens or more in one step, every layer
     assert sorted(calls) == sorted(("mlp", n) for n in prompts for _ in model.model.layers)
+    calls.clear()
+    # above SILU_MUL_FUSED_MIN_ROWS, the MLP is still one call from the AMX tiles' fewest rows (where the CPU has them)
+    monkeypatch.setattr(q4_linear, "SILU_MUL_FUSED_MIN_ROWS", 10**9)
+    assert _generate(llm, seeded=False) == fused
+    amx = packed[0].amx_rows
+    assert sorted(calls) == sorted(("mlp", n) for n in PROMPT_LENS if 0 < amx <= n for _ in model.model.layers)
+    monkeypatch.setattr(q4_linear, "SILU_MUL_FUSED_MIN_ROWS", 2)
     calls.clear()
     monkeypatch.setattr(cls, "fuses_mlp_with", lambda self, down: False)  # gate_up with SiLU, then down: two calls
     assert _generate(llm, seeded=False) == fused
