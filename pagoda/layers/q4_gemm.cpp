@@ -520,7 +520,7 @@ static const bool granted = amx_granted();
 static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
   // both rounded by one instruction (lo's 16 values, then hi's), then interleaved by one word permute: 2
   // instructions where widening each to 32 bits, shifting hi's and or-ing took 6 (the same bits; `q4amx` calls of
-  // 32-128 rows, where widening weighs most, 1.04-1.16x, BENCHMARKS.md)
+  // 32-128 rows, where widening weighs most, 1.00-1.16x, BENCHMARKS.md)
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
@@ -628,7 +628,7 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
             // A's lines prefetched into L1 (the hardware prefetcher alone left the tiles waiting on L2, BENCHMARKS.md);
             // B's loaded with the streaming hint and not prefetched, so that they pass through without evicting A:
             // a pass's A (32 rows: 36 KiB at K = 576) is read again by the chunk's next pairs, where its B (as much)
-            // is read once a pass from L2. 1.2-1.4x at 128-2,048 rows for K = 576, no change at 1,536, same bits.
+            // is read once a pass from L2. 1.18-1.40x at 128-2,048 rows for K = 576, no change at 1,536, same bits.
             if (b + PREFETCH < nb) {
               for (int64_t l = 0; l < 16; ++l) {
                 _mm_prefetch(reinterpret_cast<const char*>(a + (b + PREFETCH) * B_ELEMS + l * 32), _MM_HINT_T0);

@@ -41,7 +41,7 @@ from pagoda.layers.attention.cpp import _library_for as _attention_library
 from pagoda.layers.attention.cpp import supports as cpp_supports
 from pagoda.layers.cpp_build import load_library
 from pagoda.layers.linear import GEMV_DTYPES, GEMV_MAX_ROWS, _gemv_library, gemv_function
-from pagoda.layers.q4_linear import Q8Linear, amx_min_rows, packed_of
+from pagoda.layers.q4_linear import Q8Linear, packed_of
 
 if TYPE_CHECKING:
     from pagoda.model.llama import DecoderLayer, LlamaForCausalLM
@@ -83,11 +83,10 @@ class OneStreamForward:
         linear_fn = quantized.kernel if quantized is not None else gemv_function(_gemv_library(), dtype)
         lm_head = _lm_head(model)
         self._lm_w = lm_head[1] if lm_head is not None else None
-        # The most rows whose lm_head the call runs: a packed kernel takes any number, the GEMV 1-GEMV_MAX_ROWS (a
-        # quantized model whose lm_head could not be packed, its vocabulary not whole tiles, has the GEMV there,
-        # where steps of more decodes leave its logits to the caller: with them in the call, rows past the GEMV's
-        # were left unwritten)
-        self._lm_rows = sys.maxsize if packed_of(model.lm_head) is not None else GEMV_MAX_ROWS
+        # Steps of more rows than the lm_head's kernel takes leave its logits to the caller (a quantized model whose
+        # lm_head could not be packed, its vocabulary not whole tiles, has the GEMV there; in the call, rows past the
+        # GEMV's were left unwritten)
+        self._lm_rows = lm_head[3] if lm_head is not None else 0
         self._logits_dtype = lm_head[2] if lm_head is not None else dtype
         self._vocab = model.lm_head.out_features
         # the eager path's cache write (cpp.write_kv): rows in the cache's dtype copied, float32 ones rounded (or
@@ -98,7 +97,7 @@ class OneStreamForward:
         # at 20-256 rows (BENCHMARKS.md, "Weight tiles past L1"). Fewer rows keep the three calls, and so does a CPU
         # without the tiles, where the fused gate_up and SiLU had made one stream's steps slower.
         mlps = [(packed_of(layer.mlp.gate_up_proj), packed_of(layer.mlp.down_proj)) for layer in layers]
-        mlp_rows = amx_min_rows(quantized.lib) if quantized is not None else 0
+        mlp_rows = quantized.amx_rows if quantized is not None else 0
         if not mlp_rows or not all(gu is not None and gu.fuses_mlp_with(down) for gu, down in mlps):
             mlp_rows = 0
         fns = [linear_fn, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
@@ -190,7 +189,7 @@ class OneStreamForward:
         cfg = self._cfg
         self._scratch(b, b * spans * cfg.num_heads * (cfg.head_dim + 2))
         out = torch.empty((b, self._hidden), dtype=self._dtype)
-        lm_in_call = self._lm_w is not None and b <= self._lm_rows
+        lm_in_call = b <= self._lm_rows  # 0 where the lm_head is never in the call
         logits = torch.empty((b, self._vocab), dtype=self._logits_dtype) if lm_in_call else None
         failed = self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale,
                           self._bufs, b, ids.data_ptr(), self._embed.data_ptr(), self._final_norm.data_ptr(),
@@ -208,20 +207,21 @@ def _seconds_buffer(op_seconds: torch.Tensor) -> int:
     return op_seconds.data_ptr()
 
 
-def _lm_head(model: LlamaForCausalLM) -> tuple[Any, int, torch.dtype] | None:
-    """The lm_head's kernel, weight address and output dtype (what its own forward returns), where its forward on
-    the final norm's one row (of the model's dtype) is a call the loop can make: the GEMV (installed by enable_gemv)
-    or a packed Q8_0/Q4_1 kernel, without a bias; else None."""
+def _lm_head(model: LlamaForCausalLM) -> tuple[Any, int, torch.dtype, int] | None:
+    """The lm_head's kernel, weight address, output dtype (what its own forward returns) and the most rows the kernel
+    takes, where its forward on the final norm's rows (of the model's dtype) is a call the loop can make: the GEMV
+    (installed by enable_gemv; 1-GEMV_MAX_ROWS rows) or a packed Q8_0/Q4_1 kernel (any number), without a bias; else
+    None."""
     lm, dtype = model.lm_head, model.model.embed_tokens.weight.dtype
     if lm.bias is not None:
         return None
     packed = packed_of(lm)
     if packed is not None:  # it takes float32 rows and writes float32
         ok = packed.bias is None and dtype == torch.float32
-        return (packed.kernel, packed.w.data_ptr(), torch.float32) if ok else None
+        return (packed.kernel, packed.w.data_ptr(), torch.float32, sys.maxsize) if ok else None
     if getattr(lm, "_pagoda_gemv", None) is None or not lm.weight.is_contiguous() or lm.weight.dtype != dtype:
         return None
-    return gemv_function(_gemv_library(), dtype), lm.weight.data_ptr(), dtype
+    return gemv_function(_gemv_library(), dtype), lm.weight.data_ptr(), dtype, GEMV_MAX_ROWS
 
 
 def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
