@@ -103,6 +103,8 @@ def _kind(name: str, module: nn.Module) -> str | None:
         return "mlp"
     if cls == "GateUpSiLU":  # packed gate_up weights fused with SiLU-and-multiply
         return "mlp_linear"
+    if cls == "NormLinear":  # an RMSNorm and the packed qkv projection, or MLP, after it
+        return name.rsplit(".", 1)[-1]  # norm_qkv, norm_mlp
     if isinstance(module, nn.Linear):
         if name == "lm_head":
             return None  # the "logits" phase times it, outside the forward

@@ -130,6 +130,23 @@ static inline float hmax(vf x) {
   return m;
 }
 
+// 1 / sqrt(mean(h^2) + eps) of a row of dim values as RMSNorm takes it here: the squares summed in L lanes (vec(i):
+// float32 values i .. i + L - 1), then the lanes in order, then the tail (at(i): value i). elementwise.cpp's
+// add_rms_norm and q4_gemm.cpp's norm ahead of a linear both call it: a fused norm gives the same bits.
+template <typename Vec, typename At>
+static inline float rms_inverse(int64_t dim, float eps, Vec vec, At at) {
+  const int64_t vec_end = dim - dim % L;
+  vf acc = {};
+  for (int64_t i = 0; i < vec_end; i += L) {
+    const vf v = vec(i);
+    acc += v * v;
+  }
+  float sum = 0.0f;
+  for (int64_t j = 0; j < L; ++j) sum += acc[j];
+  for (int64_t i = vec_end; i < dim; ++i) sum += at(i) * at(i);
+  return 1.0f / std::sqrt(sum / float(dim) + eps);
+}
+
 // The same by halving: log2(L) dependent steps of a shuffle and an operation, where hsum and hmax chain L - 1 scalar
 // ones (GCC keeps their order: float sums do not reassociate); for the kernels' critical paths (a softmax's
 // running maximum and sum). The sum's order differs from hsum's; fold_max of a vector with NaN lanes is unspecified.

@@ -81,15 +81,8 @@ extern "C" void pagoda_add_rms_norm(const elem_t* x, int64_t xs, elem_t* residua
       for (int64_t i = vec_end; i < dim; ++i) res[i] = from_f(to_f(res[i]) + to_f(h[i]));
       h = res;
     }
-    vf acc = {};
-    for (int64_t i = 0; i < vec_end; i += L) {
-      const vf v = load(h + i);
-      acc += v * v;
-    }
-    float sum = 0.0f;
-    for (int64_t j = 0; j < L; ++j) sum += acc[j];
-    for (int64_t i = vec_end; i < dim; ++i) sum += to_f(h[i]) * to_f(h[i]);
-    const float inv = 1.0f / std::sqrt(sum / float(dim) + eps);
+    const float inv = rms_inverse(
+        dim, eps, [&](int64_t i) { return load(h + i); }, [&](int64_t i) { return to_f(h[i]); });
     elem_t* o = out + r * dim;
     for (int64_t i = 0; i < vec_end; i += L) store(o + i, load(weight + i) * rnd(load(h + i) * inv));
     for (int64_t i = vec_end; i < dim; ++i) o[i] = from_f(to_f(weight[i]) * rnd(to_f(h[i]) * inv));

@@ -489,6 +489,35 @@ static Rounded round_into_scratch(const float* x, int64_t M, int64_t K, bool sum
   return {xq.data(), scales.data(), scales.data() + blocks, sums ? xsum.data() : nullptr};
 }
 
+// RMSNorm with its residual add, ahead of a linear (pagoda_norm_linear, pagoda_norm_mlp): as elementwise.cpp's
+// pagoda_add_rms_norm computes it for a float32 model, h = residual + x stored to residual (h = x where residual is
+// null) and the normalized values weight[i] * (h[i] * inv), inv from the same rms_inverse (cpp_vector.h): the same
+// bits as that call's output.
+struct Norm {
+  float* residual;       // (M, K), updated in place; or null
+  const float* weight;   // (K)
+  float eps;
+};
+
+// Row r's h (residual's row, or x's), after the residual add; inv: 1 / rms(h).
+static inline const float* norm_row(const Norm& norm, const float* x, int64_t r, int64_t K, float* inv) {
+  const float* h = x + r * K;
+  if (norm.residual) {
+    float* res = norm.residual + r * K;
+    for (int64_t i = 0; i < K; ++i) res[i] = res[i] + h[i];
+    h = res;
+  }
+  *inv = rms_inverse(
+      K, norm.eps,
+      [&](int64_t i) {
+        vf v;
+        std::memcpy(&v, h + i, sizeof(v));
+        return v;
+      },
+      [&](int64_t i) { return h[i]; });
+  return h;
+}
+
 #ifdef PAGODA_Q4_AMX
 // Q4_1 and Q8_0 on AMX tiles in bfloat16. The int8 arithmetic above needs each block's 16 x 16 integer sums taken
 // out of the tiles and scaled apart (d and m change every 32 weights along K), and on the Xeon that bound `tdpbsud`
@@ -573,9 +602,11 @@ static inline int64_t a_row(int64_t r, int64_t nb) { return (r / 16 * nb * 16 + 
 // x_ready: x already in bfloat16 in the A tiles' order (padded_rows(M) rows; x is then not read). y_next: with
 // silu_mul, the output goes there instead of y, in bfloat16 in the A tiles' order for a next layer of K = N / 2 (its
 // padding rows zero): the values that layer would round from y, so the same bits as through y (see mlp).
+// norm: x is the norm's input, and the rows rounded are its output (Norm; the same bits as rounding that output).
 template <void (*Widen)(const uint8_t*, uint16_t*), int64_t Record>
 static void linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
-                   bool silu_mul, const uint16_t* x_ready = nullptr, uint16_t* y_next = nullptr) {
+                   bool silu_mul, const uint16_t* x_ready = nullptr, uint16_t* y_next = nullptr,
+                   const Norm* norm = nullptr) {
   const int64_t nb = K / QK, mp = padded_rows(M);
   thread_local LineAlignedBuffer<uint16_t> xs;  // x in bfloat16, mp rows (the calling thread's, kept between calls)
   uint16_t* const xw = x_ready ? nullptr : xs.reserve(mp * K);  // where x is rounded to
@@ -587,10 +618,21 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < (x_ready ? 0 : mp); ++r) {
       uint16_t* o = xw + a_row(r, nb);  // row r of its group's first tile
+      const float* xr = x + r * K;
+      __m512 scale = _mm512_set1_ps(1.0f);
+      if (norm && r < M) {
+        float inv;
+        xr = norm_row(*norm, x, r, K, &inv);
+        scale = _mm512_set1_ps(inv);
+      }
       for (int64_t b = 0; b < nb; ++b) {
         for (int64_t h = 0; h < QK; h += 16) {
-          const __m256i v = r < M ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * K + b * QK + h))
-                                  : _mm256_setzero_si256();
+          __m256i v = _mm256_setzero_si256();
+          if (r < M) {
+            __m512 e = _mm512_loadu_ps(xr + b * QK + h);
+            if (norm) e = _mm512_mul_ps(_mm512_loadu_ps(norm->weight + b * QK + h), _mm512_mul_ps(e, scale));
+            v = (__m256i)_mm512_cvtneps_pbh(e);
+          }
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + b * 16 * QK + h), v);
         }
       }
@@ -694,12 +736,13 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
 // output straight into the down pass's bfloat16 rows in the tiles' order, where the two calls write it as float32
 // (M x I: 12.6 MB at 2,048 rows of the default model), read it back and round it: the same bits, since the values
 // rounded are the same float32 ones.
+// norm: ahead of the gate_up pass, as linear's.
 template <void (*Widen)(const uint8_t*, uint16_t*), int64_t Record>
 static void mlp(const float* x, const uint8_t* w_gate_up, const uint8_t* w_down, float* y, int64_t M, int64_t H,
-                int64_t I) {
+                int64_t I, const Norm* norm = nullptr) {
   thread_local LineAlignedBuffer<uint16_t> hs;  // the gate_up pass's output, padded_rows(M) rows of I
   uint16_t* h = hs.reserve(padded_rows(M) * I);
-  linear<Widen, Record>(x, w_gate_up, nullptr, nullptr, M, 2 * I, H, true, nullptr, h);
+  linear<Widen, Record>(x, w_gate_up, nullptr, nullptr, M, 2 * I, H, true, nullptr, h, norm);
   linear<Widen, Record>(nullptr, w_down, nullptr, y, M, H, I, false, h);
 }
 }  // namespace q4amx
@@ -816,4 +859,57 @@ extern "C" void pagoda_packed_mlp(const float* x, const uint8_t* w_gate_up, cons
   const auto layer = q8 ? q8_linear : q4_linear;
   layer(x, w_gate_up, nullptr, h, M, 2 * I, H, true);
   layer(h, w_down, nullptr, y, M, H, I, false);
+}
+
+// weight * rms_norm(h) of x (M, K) float32, h = residual + x with residual (M, K) updated in place to h (or h = x
+// where residual is null), into the calling thread's scratch: pagoda_add_rms_norm's float32 output, for the paths
+// that do not round the rows in the norm's pass.
+static const float* normed_rows(const float* x, const Norm& norm, int64_t M, int64_t K) {
+  thread_local LineAlignedBuffer<float> out;
+  float* o = out.reserve(M * K);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < M; ++r) {
+    float inv;
+    const float* h = norm_row(norm, x, r, K, &inv);
+    for (int64_t i = 0; i < K; ++i) o[r * K + i] = norm.weight[i] * (h[i] * inv);
+  }
+  return o;
+}
+
+// RMSNorm with its residual add (pagoda_add_rms_norm's, float32) and the linear after it in one call: y = the
+// Q4_1 (q8 0) or Q8_0 (q8 1) layer of weight * rms_norm(h), h = residual + x, residual (M, K) updated in place to h
+// (null: h = x); norm_weight (K), eps the norm's; w, bias, y, M, N, K as pagoda_q4_linear's. The same float32 bits
+// as the two calls. Where the AMX tiles take the step the norm's pass writes its output straight into the tiles'
+// bfloat16 rows (the float32 rows are not written and read back); elsewhere the two calls through a scratch buffer.
+extern "C" void pagoda_norm_linear(const float* x, float* residual, const float* norm_weight, float eps,
+                                   const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                                   int64_t q8) {
+  const Norm norm{residual, norm_weight, eps};
+#ifdef PAGODA_Q4_AMX
+  if (q4amx::takes(M)) {
+    if (q8)
+      q4amx::linear<q4amx::widen_q8, RECORD_Q8>(x, w, bias, y, M, N, K, false, nullptr, nullptr, &norm);
+    else
+      q4amx::linear<q4amx::widen, RECORD_Q4>(x, w, bias, y, M, N, K, false, nullptr, nullptr, &norm);
+    return;
+  }
+#endif
+  (q8 ? q8_linear : q4_linear)(normed_rows(x, norm, M, K), w, bias, y, M, N, K, false);
+}
+
+// The same ahead of a gated MLP: y (M, H) = pagoda_packed_mlp of weight * rms_norm(h), h = residual + x (M, H).
+extern "C" void pagoda_norm_mlp(const float* x, float* residual, const float* norm_weight, float eps,
+                                const uint8_t* w_gate_up, const uint8_t* w_down, float* y, int64_t M, int64_t H,
+                                int64_t I, int64_t q8) {
+  const Norm norm{residual, norm_weight, eps};
+#ifdef PAGODA_Q4_AMX
+  if (q4amx::takes(M)) {
+    if (q8)
+      q4amx::mlp<q4amx::widen_q8, RECORD_Q8>(x, w_gate_up, w_down, y, M, H, I, &norm);
+    else
+      q4amx::mlp<q4amx::widen, RECORD_Q4>(x, w_gate_up, w_down, y, M, H, I, &norm);
+    return;
+  }
+#endif
+  pagoda_packed_mlp(normed_rows(x, norm, M, H), w_gate_up, w_down, y, M, H, I, q8);
 }

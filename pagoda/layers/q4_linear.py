@@ -69,6 +69,11 @@ def q4_library(portable: bool = False, rev: str | None = None, no_vnni: bool = F
     if rev is None or hasattr(lib, "pagoda_packed_mlp"):
         lib.pagoda_packed_mlp.argtypes = [ptr] * 4 + [i64] * 4
         lib.pagoda_packed_mlp.restype = None
+    if rev is None or hasattr(lib, "pagoda_norm_linear"):
+        lib.pagoda_norm_linear.argtypes = [ptr] * 3 + [ctypes.c_float] + [ptr] * 3 + [i64] * 4
+        lib.pagoda_norm_linear.restype = None
+        lib.pagoda_norm_mlp.argtypes = [ptr] * 3 + [ctypes.c_float] + [ptr] * 3 + [i64] * 4
+        lib.pagoda_norm_mlp.restype = None
     lib.pagoda_q8_linear.argtypes = [ptr] * 4 + [i64] * 3
     lib.pagoda_q8_linear.restype = None
     lib.pagoda_q4_vectorized.restype = ctypes.c_int
@@ -219,6 +224,38 @@ class PackedLinear:
             self.lib.pagoda_packed_mlp(x2.data_ptr(), self.w.data_ptr(), down.w.data_ptr(), y.data_ptr(),
                                        x2.shape[0], self.in_features, down.in_features, int(isinstance(self, Q8Linear)))
         return y.reshape(*x.shape[:-1], self.in_features)
+
+    def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+        """Whether after_norm serves this norm's input: float32 rows (T, in_features) contiguous, a residual alike or
+        None, a float32 norm weight, and steps the AMX tiles take (amx_rows), the only ones where the fused norm
+        saves a pass (BENCHMARKS.md, "RMSNorm into the tiles' rows")."""
+        k = self.in_features
+        return (0 < self.amx_rows <= x.shape[0] and hasattr(self.lib, "pagoda_norm_linear") and x.dim() == 2
+                and x.shape[1] == k and x.dtype == torch.float32 and x.is_contiguous()
+                and weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape == (k,)
+                and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()
+                                          and residual.shape == x.shape)))
+
+    def after_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                   down: PackedLinear | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(weight * rms_norm(h)), h), h = residual + x (residual updated in place) or x when residual is None,
+        in one call (pagoda_norm_linear): the same float32 bits as ElementwiseOps.add_rms_norm (its C++ path) and
+        then this layer. With down: this gate_up layer's MLP, (self.mlp(normed, down), h) (pagoda_norm_mlp).
+        takes_norm(x, residual, weight) must hold."""
+        y = torch.empty((x.shape[0], self.in_features if down is not None else self.out_features),
+                        dtype=torch.float32)
+        res = None if residual is None else residual.data_ptr()
+        q8 = int(isinstance(self, Q8Linear))
+        if down is not None:
+            if not self.fuses_mlp_with(down):
+                raise ValueError(f"{type(self).__name__} cannot run an MLP with {type(down).__name__}")
+            self.lib.pagoda_norm_mlp(x.data_ptr(), res, weight.data_ptr(), eps, self.w.data_ptr(), down.w.data_ptr(),
+                                     y.data_ptr(), x.shape[0], self.in_features, down.in_features, q8)
+        else:
+            self.lib.pagoda_norm_linear(x.data_ptr(), res, weight.data_ptr(), eps, self.w.data_ptr(),
+                                        None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), x.shape[0],
+                                        self.out_features, self.in_features, q8)
+        return y, x if residual is None else residual
 
     def _input(self, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x as (rows, in_features) contiguous float32, and an empty float32 output of (rows, width)."""

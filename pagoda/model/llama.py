@@ -113,12 +113,14 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache | None,
-                meta: AttentionMetadata | None, one_stream: OneStreamDecode | None = None) -> torch.Tensor:
+                meta: AttentionMetadata | None, one_stream: OneStreamDecode | None = None,
+                projected: bool = False) -> torch.Tensor:
         """kv_cache and meta are None inside the compiled forward: the attention op then finds them in
         the step context (pagoda/model/compiled_forward.py). one_stream: the compiled one-stream decode
-        graph, whose attention is part of the graph (the caches are this module's buffers)."""
+        graph, whose attention is part of the graph (the caches are this module's buffers). projected: x is
+        qkv_proj's output already (DecoderLayer's norm_qkv computed it with the norm)."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # q, k and v are column ranges of its rows: views, strided by the row
+        qkv = x if projected else self.qkv_proj(x)  # q, k and v are column ranges of its rows: views, strided by row
         q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
@@ -148,6 +150,18 @@ class GateUpSiLU(nn.Module):
 
     def forward(self, x: torch.Tensor, packed: PackedLinear, down: PackedLinear | None = None) -> torch.Tensor:
         return packed.silu_mul(x) if down is None else packed.mlp(x, down)
+
+
+class NormLinear(nn.Module):
+    """An RMSNorm with its residual add and the packed linear after it (or, with down, the packed MLP) in one C++
+    call (PackedLinear.after_norm: the same float32 bits as the norm's C++ call and then the layer's; on AMX tiles
+    the norm writes its output straight into the linear's bfloat16 rows). A module of its own, without parameters,
+    so that `--profile` times it (pagoda/profiler.py: forward/norm_qkv and forward/norm_mlp, which take the norm's
+    share and the linear's, or the whole MLP's, out of the other lines)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, packed: PackedLinear,
+                down: PackedLinear | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return packed.after_norm(x, residual, norm.weight, norm.eps, down)
 
 
 class MLP(nn.Module):
@@ -188,15 +202,34 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, backend, layer_idx, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, ops)
+        self.ops = ops
+        self.norm_qkv = NormLinear()
+        self.norm_mlp = NormLinear()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: PagedKVCache | None, meta: AttentionMetadata | None,
                 one_stream: OneStreamDecode | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embeddings, with residual None, for the first layer);
         residual: the residual stream before it. Returns the same two for the next layer: the residual
-        adds are done by the norms (HF's x = x + attn(norm(x)); x = x + mlp(norm(x)), regrouped)."""
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta, one_stream)
+        adds are done by the norms (HF's x = x + attn(norm(x)); x = x + mlp(norm(x)), regrouped).
+
+        On packed weights with the fused float32 elementwise ops, in steps the AMX tiles take, each norm goes into
+        one call with the linear after it (NormLinear; the same bits): per call at 2,048 rows of the default model
+        qkv 1.06x and the MLP 1.03x the norm's call and then the layer's, at 32 rows 1.43x and 1.12x (BENCHMARKS.md,
+        "RMSNorm into the tiles' rows")."""
+        fused = self.ops.lib is not None and self.ops.dtype == torch.float32
+        qkv = packed_of(self.self_attn.qkv_proj) if fused else None
+        if qkv is not None and qkv.takes_norm(x, residual, self.input_layernorm.weight):
+            h, residual = self.norm_qkv(x, residual, self.input_layernorm, qkv)
+            h = self.self_attn(h, cos, sin, kv_cache, meta, one_stream, projected=True)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+            h = self.self_attn(h, cos, sin, kv_cache, meta, one_stream)
+        gate_up = packed_of(self.mlp.gate_up_proj) if fused else None
+        down = packed_of(self.mlp.down_proj)
+        if (gate_up is not None and gate_up.fuses_mlp_with(down)
+                and gate_up.takes_norm(h, residual, self.post_attention_layernorm.weight)):
+            return self.norm_mlp(h, residual, self.post_attention_layernorm, gate_up, down)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 

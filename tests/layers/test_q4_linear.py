@@ -223,6 +223,43 @@ def test_mlp_in_one_call_gives_the_same_bits(build: str, layer_type: type) -> No
         gate_up.mlp(torch.randn(1, 64), biased)
 
 
+@pytest.mark.parametrize("layer_type", [Q4Linear, Q8Linear])
+@pytest.mark.parametrize("build", ["vnni", "avx2", "portable"])
+def test_norm_in_one_call_with_the_linear_gives_the_same_bits(build: str, layer_type: type) -> None:
+    """pagoda_norm_linear and pagoda_norm_mlp (PackedLinear.after_norm): the fused elementwise ops' residual add and
+    RMSNorm (float32, the same build's) and then the layer, or the MLP, bit for bit, the residual updated alike, with
+    and without a residual and a bias, at row counts on both sides of the AMX tiles' threshold and passes (where the
+    CPU has AMX the norm writes the tiles' bfloat16 rows, padding rows included); takes_norm only where the tiles
+    take the step."""
+    from pagoda.layers.elementwise import ElementwiseOps, _library
+
+    lib = q4_linear.q4_library(portable=build == "portable", no_vnni=build == "avx2")
+    ops = ElementwiseOps()
+    ops.lib, ops.dtype = _library(0, portable=build == "portable"), torch.float32
+    g = torch.Generator().manual_seed(11)
+    for h, i in ((576, 1536), (64, 96)):
+        gate_up = layer_type(torch.randn(2 * i, h, generator=g) * 0.1, None, lib)
+        down = layer_type(torch.randn(h, i, generator=g) * 0.1, None, lib)
+        qkv = layer_type(torch.randn(3 * 64, h, generator=g) * 0.1, torch.randn(3 * 64, generator=g), lib)
+        weight = torch.rand(h, generator=g) + 0.5
+        for rows in (1, 5, 19, 20, 31, 32, 33, 100):
+            for with_residual in (True, False):
+                x = torch.randn(rows, h, generator=g) * 3
+                residual = torch.randn(rows, h, generator=g) if with_residual else None
+                expected_residual = None if residual is None else residual.clone()
+                normed, h_expected = ops.add_rms_norm(x, expected_residual, weight, 1e-5)
+                for layer, d, want in ((qkv, None, qkv(normed)), (gate_up, down, gate_up.mlp(normed, down))):
+                    res = None if residual is None else residual.clone()
+                    assert layer.takes_norm(x, res, weight) == (0 < q4_linear.amx_min_rows(lib) <= rows)
+                    y, h_out = layer.after_norm(x, res, weight, 1e-5, d)
+                    assert torch.equal(y, want), (h, rows, with_residual, layer is qkv)
+                    assert torch.equal(h_out, h_expected) and (res is None or h_out is res)
+    assert not qkv.takes_norm(torch.randn(64, 64).t(), None, weight)  # not contiguous
+    assert not qkv.takes_norm(torch.randn(64, 64, dtype=torch.float64), None, weight)
+    with pytest.raises(ValueError, match="cannot run an MLP"):
+        gate_up.after_norm(torch.randn(1, 64), None, weight, 1e-5, qkv)
+
+
 def test_leading_dimensions_and_empty_input() -> None:
     layer = Q4Linear(torch.randn(32, 64), None, q4_linear.q4_library())
     x = torch.randn(2, 3, 64)

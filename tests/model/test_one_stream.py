@@ -98,9 +98,16 @@ def test_quantized_mlp_fuses_gate_up_with_silu_mul(tiny_model: tuple[str, Path],
     model.one_stream_forward = None  # every step through the eager MLP
     calls: list[tuple[str, int]] = []
     cls = type(packed[0])
-    real_mlp, real_silu_mul = cls.mlp, cls.silu_mul
+    real_mlp, real_silu_mul, real_after_norm = cls.mlp, cls.silu_mul, cls.after_norm
     monkeypatch.setattr(q4_linear, "SILU_MUL_FUSED_MIN_ROWS", 2)
     monkeypatch.setattr(cls, "mlp", lambda self, x, down: calls.append(("mlp", x.shape[0])) or real_mlp(self, x, down))
+
+    def after_norm(self: q4_linear.PackedLinear, x: torch.Tensor, *args: object) -> object:
+        if len(args) > 3 and args[3] is not None:  # the MLP, with the norm ahead of it (norm_mlp)
+            calls.append(("mlp", x.shape[0]))
+        return real_after_norm(self, x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cls, "after_norm", after_norm)
     monkeypatch.setattr(cls, "silu_mul",
                         lambda self, x: calls.append(("silu_mul", x.shape[0])) or real_silu_mul(self, x))
     fused = _generate(llm, seeded=False)
@@ -119,6 +126,35 @@ def test_quantized_mlp_fuses_gate_up_with_silu_mul(tiny_model: tuple[str, Path],
     assert sorted(calls) == sorted(("silu_mul", n) for n in prompts for _ in model.model.layers)
     for p in packed:
         p.silu_mul_kernel = None  # the MLP falls back to the projection, then the elementwise op
+    assert _generate(llm, seeded=False) == fused
+
+
+@pytest.mark.parametrize("quantization", ["q4_1", "q8_0"])
+def test_quantized_norms_fuse_with_the_linear_after_them(tiny_model: tuple[str, Path], quantization: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under q4_1 and q8_0 the eager forward runs each RMSNorm in one call with the qkv projection or the MLP after
+    it (DecoderLayer's norm_qkv and norm_mlp: PackedLinear.after_norm) for steps the AMX tiles take; the tokens and
+    logprobs are those of the norms' own calls exactly. Here every layer's threshold is lowered to 1 row, so that
+    CPUs without AMX run the fused calls too (their scratch-buffer path)."""
+    from pagoda.layers import q4_linear
+
+    _, folder = tiny_model
+    llm = LLM(str(folder), dtype="float32", attention_backend="cpp", enable_prefix_caching=False,
+              quantization=quantization)
+    model = llm.engine.model
+    model.one_stream_forward = None  # every step through the eager forward
+    for module in model.modules():
+        if (p := q4_linear.packed_of(module)) is not None:
+            p.amx_rows = 1
+    calls: list[int] = []
+    cls = type(q4_linear.packed_of(model.model.layers[0].self_attn.qkv_proj))
+    real_after_norm = cls.after_norm
+    monkeypatch.setattr(cls, "after_norm", lambda self, x, *args: calls.append(x.shape[0]) or real_after_norm(
+        self, x, *args))
+    fused = _generate(llm, seeded=False)
+    steps = len(PROMPT_LENS) * 24  # a request's prompt step and 23 decodes, each alone
+    assert len(calls) == 2 * steps * len(model.model.layers)
+    monkeypatch.setattr(cls, "takes_norm", lambda self, *args: False)
     assert _generate(llm, seeded=False) == fused
 
 
