@@ -834,7 +834,8 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, 
       alignas(64) uint16_t pw[G][16 * KC];
       alignas(64) float ob[16 * KC];  // 16 rows of up to 64 columns of out
       alignas(64) float m[G][16];  // running maxima, rows of one vector
-      float l[G][16];
+      alignas(64) float l[G][16];   // running sums, the same
+      alignas(64) float cr[G][16];  // the step's corrections of acc (softmax), applied with its sums (weigh)
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t r = 0; r < 16; ++r) m[g][r] = -std::numeric_limits<float>::infinity(), l[g][r] = 0.0f;
       }
@@ -874,7 +875,8 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, 
         _tile_stored(2, sc + 32, KC * 4);
         _tile_stored(3, sc + 48, KC * 4);
       };
-      // The online softmax over sc for query head g: weights (bfloat16) into pw[g], acc[g] rescaled.
+      // The online softmax over sc for query head g: weights (bfloat16) into pw[g], l[g] updated, the corrections of
+      // acc[g] into cr[g] (weigh applies them in its pass over acc).
       auto softmax = [&](int64_t kc, int64_t g) {
         const float scale = qscale * log2e;  // scores to log2 units
 #if PAGODA_ELEM == 3
@@ -886,7 +888,7 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, 
         }
 #endif
         // Each row's maximum (masked), then the 16 rows' new running maxima and corrections as one vector
-        alignas(64) float rmax[16];
+        vf rmax[16];  // by lanes, folded together (fold_each: lane r is row r's)
         for (int64_t r = 0; r < 16; ++r) {
           const int64_t len = std::min(first + r, last) - kc;  // this row's keys in the step (rows past n: the last's)
           vf vmax = vf{} - std::numeric_limits<float>::infinity();
@@ -898,19 +900,20 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, 
             if (len < KC) x = lane < int32_t(len) ? x : vf{} - std::numeric_limits<float>::infinity();
             vmax = vmax > x ? vmax : x;
           }
-          rmax[r] = fold_max(vmax);
+          rmax[r] = vmax;
         }
-        vf mold, mnew;
+        vf mold;
         std::memcpy(&mold, m[g], sizeof(vf));
-        std::memcpy(&mnew, rmax, sizeof(vf));
-        mnew *= scale;
+        vf mnew = fold_each(rmax, [](vf a, vf b) { return a > b ? a : b; }) * scale;
         mnew = mold > mnew ? mold : mnew;  // finite: every row has a key in the first step
         const vf corr = exp2_neg(mold - mnew);  // ~0 where mold is -inf (the first step), when l and acc are 0
         std::memcpy(m[g], &mnew, sizeof(vf));
+        std::memcpy(cr[g], &corr, sizeof(vf));
+        vf vsum[16];  // each row's weights by lanes, folded together as the maxima
         for (int64_t r = 0; r < 16; ++r) {
           const int64_t len = std::min(first + r, last) - kc;
           const vf shift = vf{} - mnew[r];
-          vf vsum = {};
+          vsum[r] = vf{};
           for (int64_t c = 0; c < KC / L; ++c) {
             vf x;
             std::memcpy(&x, sc + r * KC + c * L, sizeof(vf));
@@ -928,15 +931,13 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, 
 #endif
             const __m256bh wb = _mm512_cvtneps_pbh(vf_to_m512(wv));
             std::memcpy(pw[g] + r * KC + c * L, &wb, sizeof(wb));
-            vsum += w;
-          }
-          const float correction = corr[r];
-          l[g][r] = l[g][r] * correction + fold_sum(vsum);
-          if (correction != 1.0f) {
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) acc[g][r * D + d] *= correction;
+            vsum[r] += w;
           }
         }
+        vf lv;
+        std::memcpy(&lv, l[g], sizeof(vf));
+        lv = lv * corr + fold_each(vsum, [](vf a, vf b) { return a + b; });
+        std::memcpy(l[g], &lv, sizeof(vf));
       };
       // acc[g] += pw[g] . V for keys kc .. kc + KC - 1, out's columns 64 at a time in tiles 0-3 (D is a multiple
       // of 32: the last group may have two).
@@ -977,9 +978,10 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, 
             _tile_stored(3, ob + 48, KC * 4);
           }
           const int64_t nc = four ? 64 : 32;
-          for (int64_t r = 0; r < 16; ++r) {
+          for (int64_t r = 0; r < 16; ++r) {  // the step's correction and its sums in one pass over acc
+            const float c = cr[g][r];
 #pragma omp simd
-            for (int64_t i = 0; i < nc; ++i) acc[g][r * D + d0 + i] += ob[r * KC + i];
+            for (int64_t i = 0; i < nc; ++i) acc[g][r * D + d0 + i] = acc[g][r * D + d0 + i] * c + ob[r * KC + i];
           }
         }
       };
