@@ -607,11 +607,40 @@ def test_cpp_backend_sends_a_long_float32_prompt_to_sdpa_only_over_a_float32_cac
     calls: list[str] = []
     for name in ("paged_prefill", "paged_prefill_amx"):
         kernel = getattr(cpp, name)
-        monkeypatch.setattr(cpp, name, lambda *a, name=name, kernel=kernel: calls.append(name) or kernel(*a))
+        monkeypatch.setattr(cpp, name,
+                            lambda *a, name=name, kernel=kernel, **kw: calls.append(name) or kernel(*a, **kw))
     got = CppAttentionBackend().prefill(q, k, v, cache, table, n, d**-0.5)
     assert calls == ([] if storage == torch.float32 else ["paged_prefill"])
     want = cpp.paged_prefill(q, cache, table, n, d**-0.5)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("dtype", "storage", "bf16_prompts"), [
+    (torch.float32, torch.float32, False), (torch.float32, torch.float16, True), (torch.float32, torch.float16, False),
+    (torch.bfloat16, torch.bfloat16, False)])
+def test_cpp_backend_writes_prompt_chunks_into_the_steps_rows(dtype: torch.dtype, storage: torch.dtype,
+                                                              bf16_prompts: bool) -> None:
+    """prefill_into: float32 chunks go straight into the rows given (the AMX tiles' kernel and the loop's), other
+    dtypes through a copy; either way exactly prefill's result. A kernel's out of another shape or dtype is refused."""
+    import pagoda.layers.attention.cpp as cpp
+    from tests.layers.test_kv_quant import make_cache
+
+    n, hkv, group, d, bs = 40, 3, 3, 64, 16
+    g = torch.Generator().manual_seed(8)
+    cache = make_cache(KVCacheSpec(storage), num_blocks=12, block_size=bs, hkv=hkv, d=d)
+    table = torch.randperm(12, generator=g)[:4]
+    seq_len = 60  # the chunk's 40 queries after 20 tokens
+    slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:seq_len]
+    cache.write(slots, *(torch.randn(seq_len, hkv, d, generator=g) for _ in range(2)))
+    q = torch.randn(n, hkv * group, d, generator=g).to(dtype)
+    backend = CppAttentionBackend(bf16_prompts=bf16_prompts)
+    want = backend.prefill(q, q[:, :hkv], q[:, :hkv], cache, table, seq_len, d**-0.5)
+    step = torch.full((n + 8, hkv * group, d), float("nan"), dtype=dtype)
+    backend.prefill_into(step[4:n + 4], q, q[:, :hkv], q[:, :hkv], cache, table, seq_len, d**-0.5)
+    assert torch.equal(step[4:n + 4], want)
+    assert step[:4].isnan().all() and step[n + 4:].isnan().all()
+    with pytest.raises(ValueError, match="out must be a contiguous float32 tensor"):
+        cpp.paged_prefill(q.float(), cache, table, seq_len, d**-0.5, out=torch.empty(n, hkv * group, d - 1))
 
 
 @pytest.mark.parametrize("sdpa_on_amx", [False, True])
@@ -631,8 +660,8 @@ def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, bf16
     calls: list[tuple[str, int, int]] = []
     for name in ("paged_prefill", "paged_prefill_amx"):
         kernel = getattr(cpp, name)
-        monkeypatch.setattr(cpp, name, lambda q, cache, table, seq_len, scale, name=name, kernel=kernel: (
-            calls.append((name, q.shape[0], seq_len)) or kernel(q, cache, table, seq_len, scale)))
+        monkeypatch.setattr(cpp, name, lambda q, cache, table, seq_len, scale, name=name, kernel=kernel, **kw: (
+            calls.append((name, q.shape[0], seq_len)) or kernel(q, cache, table, seq_len, scale, **kw)))
     sdpa_prefill = SDPAAttentionBackend.prefill
     monkeypatch.setattr(SDPAAttentionBackend, "prefill", lambda self, q, k, v, cache, table, seq_len, scale: (
         calls.append(("sdpa", q.shape[0], seq_len)) or sdpa_prefill(self, q, k, v, cache, table, seq_len, scale)))

@@ -149,8 +149,8 @@ class PagedAttentionBackend:
                 out[group.rows] = self.decode(q[group.rows], kv_cache, group, scale)
         for i in meta.prefill_idx:
             lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[lo:hi] = self.prefill(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, meta.block_tables[i],
-                                      meta.seq_lens[i], scale)
+            self.prefill_into(out[lo:hi], q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, meta.block_tables[i],
+                              meta.seq_lens[i], scale)
         return out
 
     def warmup(self, kv_cache: PagedKVCache, num_q_heads: int, dtype: torch.dtype, scale: float) -> float:
@@ -170,6 +170,12 @@ class PagedAttentionBackend:
         """q (n, Hq, D), this chunk's k/v (n, Hkv, D), already in the cache; the chunk's last query sits
         at position seq_len - 1 -> (n, Hq, D)."""
         raise NotImplementedError
+
+    def prefill_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int, scale: float) -> None:
+        """prefill, its result written to out (n, Hq, D): the step's rows of the chunk. Backends whose kernels can
+        write there directly say so."""
+        out.copy_(self.prefill(q, k, v, kv_cache, block_table, seq_len, scale))
 
 
 def resolve_attention_backend(name: str, model_dtype: torch.dtype) -> str:

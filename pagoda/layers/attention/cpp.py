@@ -250,19 +250,35 @@ def prefill_in_kernel(dtype: torch.dtype, n: int, seq_len: int, cache_dtype: tor
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
-                  scale: float, rev: str | None = None) -> torch.Tensor:
+                  scale: float, rev: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q (n, Hq, D): a prompt chunk's queries, the last at position seq_len - 1, its K/V already in the cache;
     block_table (>= ceil(seq_len / block_size),) int64 -> (n, Hq, D) in q's dtype, causal.
-    rev: the kernel as of that git revision (`bench.prompt_attention --versus-rev`)."""
+    rev: the kernel as of that git revision (`bench.prompt_attention --versus-rev`). out: where to write the
+    result, for float32 queries (_writes_into)."""
     n, hq, d = q.shape
     lib = _library_for(kv_cache, hq, rev=rev)
     qf = q.to(torch.float32).contiguous()
     bt = _prompt_table(block_table, kv_cache, seq_len, n)
-    out = torch.empty((n, hq, d), dtype=torch.float32)
+    out = _output(q, out)
     table = _fp8_table() if kv_cache.k.dtype == torch.float8_e4m3fn else None
     lib.pagoda_paged_prefill(*(None if t is None else t.data_ptr() for t in (
         qf, kv_cache.k, kv_cache.v, kv_cache.k_scale, kv_cache.v_scale, table, bt)), n, seq_len, out.data_ptr(), scale)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The prompt kernels' float32 output (n, Hq, D): out where given (checked), else a new tensor."""
+    if out is None:
+        return torch.empty(q.shape, dtype=torch.float32)
+    if not _writes_into(q, out):
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(q.shape)} for float32 queries, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def _writes_into(q: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the prompt kernels can write their result for q straight into out."""
+    return q.dtype == out.dtype == torch.float32 and out.shape == q.shape and out.is_contiguous()
 
 
 def _prompt_table(block_table: torch.Tensor, kv_cache: PagedKVCache, seq_len: int, n: int) -> torch.Tensor:
@@ -289,10 +305,10 @@ def _amx_granted(lib: Any) -> bool:
 
 
 def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
-                      scale: float) -> torch.Tensor:
+                      scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """paged_prefill on AMX tiles (amx_prefill_available): q rounded to bfloat16 where it is not, over a bfloat16
     cache, a float16 one (its values rounded to bfloat16) or an int8 one (its values exact in bfloat16, their scales
-    applied in float32); out in q's dtype."""
+    applied in float32); the result in q's dtype (into out, as paged_prefill's)."""
     n, hq, d = q.shape
     lib = _library_for(kv_cache, hq)
     qb = q.to(torch.bfloat16).contiguous()
@@ -300,7 +316,7 @@ def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torc
     hkv = kv_cache.k.shape[2]
     padded = -(-seq_len // _AMX_KEYS) * _AMX_KEYS
     work = torch.empty(2 * hkv * (padded + 8) * d, dtype=torch.bfloat16)  # K and V repacked (the kernel's layout)
-    out = torch.empty((n, hq, d), dtype=torch.float32)
+    out = _output(q, out)
     scales = tuple(None if t is None else t.data_ptr() for t in (kv_cache.k_scale, kv_cache.v_scale))
     lib.pagoda_paged_prefill_amx(qb.data_ptr(), kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), *scales, bt.data_ptr(),
                                  n, seq_len, out.data_ptr(), work.data_ptr(), scale)
@@ -353,15 +369,27 @@ class CppAttentionBackend(KernelBackend):
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+        return self._prefill(q, k, v, kv_cache, block_table, seq_len, scale, None)
+
+    def prefill_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int, scale: float) -> None:
+        # float32 chunks straight into the step's output: no tensor of their own, no copy (2,304 bytes a token and
+        # layer for the default model)
+        res = self._prefill(q, k, v, kv_cache, block_table, seq_len, scale, out if _writes_into(q, out) else None)
+        if res is not out:
+            out.copy_(res)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
+                 block_table: torch.Tensor, seq_len: int, scale: float, out: torch.Tensor | None) -> torch.Tensor:
         if self.fallback or not supports(kv_cache, q.dtype):
             return super().prefill(q, k, v, kv_cache, block_table, seq_len, scale)
         # bfloat16 queries over a 16-bit cache, any queries over an int8 one (whose values are 8-bit already) and,
         # under bf16_prompts, over a 16-bit one, on AMX tiles where the CPU has them
         if (q.dtype == torch.bfloat16 or kv_cache.k.dtype == torch.int8 or self.bf16_prompts) and amx_prefill_available(
                 kv_cache, q.shape[1]):
-            return paged_prefill_amx(q, kv_cache, block_table, seq_len, scale)
+            return paged_prefill_amx(q, kv_cache, block_table, seq_len, scale, out=out)
         if prefill_in_kernel(q.dtype, q.shape[0], seq_len, kv_cache.k.dtype):
-            return paged_prefill(q, kv_cache, block_table, seq_len, scale)
+            return paged_prefill(q, kv_cache, block_table, seq_len, scale, out=out)
         return super().prefill(q, k, v, kv_cache, block_table, seq_len, scale)
 
     def warmup(self, kv_cache: PagedKVCache, num_q_heads: int, dtype: torch.dtype, scale: float) -> float:
