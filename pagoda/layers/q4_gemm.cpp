@@ -502,19 +502,22 @@ struct Norm {
 // Row r's h (residual's row, or x's), after the residual add; inv: 1 / rms(h).
 static inline const float* norm_row(const Norm& norm, const float* x, int64_t r, int64_t K, float* inv) {
   const float* h = x + r * K;
-  if (norm.residual) {
+  const auto at = [](const float* p) {
+    vf v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  };
+  if (norm.residual) {  // in vectors: GCC kept the scalar loop scalar (res and h may overlap, as far as it knows)
     float* res = norm.residual + r * K;
-    for (int64_t i = 0; i < K; ++i) res[i] = res[i] + h[i];
+    const int64_t vec_end = K - K % L;
+    for (int64_t i = 0; i < vec_end; i += L) {
+      const vf v = at(res + i) + at(h + i);
+      std::memcpy(res + i, &v, sizeof(v));
+    }
+    for (int64_t i = vec_end; i < K; ++i) res[i] = res[i] + h[i];
     h = res;
   }
-  *inv = rms_inverse(
-      K, norm.eps,
-      [&](int64_t i) {
-        vf v;
-        std::memcpy(&v, h + i, sizeof(v));
-        return v;
-      },
-      [&](int64_t i) { return h[i]; });
+  *inv = rms_inverse(K, norm.eps, [&](int64_t i) { return at(h + i); }, [&](int64_t i) { return h[i]; });
   return h;
 }
 
