@@ -33,13 +33,20 @@ using write_kv_fn = void (*)(void* k, void* v, void* ks, void* vs, const void* k
                              const int64_t* slots, int64_t T);
 using mlp_fn = void (*)(const void* x, const void* w_gate_up, const void* w_down, void* y, int64_t M, int64_t H,
                         int64_t I, int64_t q8);
+// a packed model's RMSNorm with the linear or the MLP after it in one call (pagoda_norm_linear, pagoda_norm_mlp)
+using norm_linear_fn = void (*)(const void* x, void* residual, const void* norm_weight, float eps, const void* w,
+                                const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t q8);
+using norm_mlp_fn = void (*)(const void* x, void* residual, const void* norm_weight, float eps, const void* w_gate_up,
+                             const void* w_down, void* y, int64_t M, int64_t H, int64_t I, int64_t q8);
 using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, const void* v, const void* ks,
                            const void* vs, const float* table, const int64_t* block_tables, const int64_t* seq_lens,
                            float* out, float* work, int64_t B, int64_t W, int64_t span_blocks, float qscale);
 
 // fns: gemv, add_rms_norm, rotary, silu_mul, write_kv (the cache layout's pagoda_write_kv_rows or _f32),
 // paged_decode_rows, the lm_head's linear (the GEMV, or a quantized model's Q8_0 kernel, whose signature is the
-// GEMV's), and a packed model's MLP in one call (pagoda_packed_mlp, q4_gemm.cpp) or null.
+// GEMV's), a packed model's MLP in one call (pagoda_packed_mlp, q4_gemm.cpp) or null, and its norms in one call with
+// the qkv projection and with the MLP (pagoda_norm_linear, pagoda_norm_mlp; the same bits) or null, taken with the
+// MLP's call (a float32 model).
 // layers: per layer LAYER_PTRS addresses, in this order: input norm weight, qkv weight, qkv bias (or null),
 // o weight, o bias (or null), post-attention norm weight, gate_up weight, down weight, K cache, V cache, K scales, V
 // scales (null for caches without them).
@@ -54,9 +61,10 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
 // sin_table: the rotary tables, rows rotary_stride elements apart. out: the final norm's output (B, hidden).
 // lm_w, logits, V: the lm_head's weight (plain or packed), and where its B x V outputs go (the lm_head's output
 // dtype); logits null: no lm_head. ts: null, or OP_COUNT doubles to which each kind of call adds its wall time, in
-// this order: norm, qkv_proj, rotary (with gathering the rows' cos and sin), write_kv, attention (with the bfloat16
-// model's conversions of q and of the output), o_proj, gate_up_proj (the whole MLP where it is one call), silu_mul,
-// down_proj, lm_head (`--profile` reports them; two clock reads a call, ~20 us a step).
+// this order: norm, qkv_proj (with the norm where the two are one call), rotary (with gathering the rows' cos and
+// sin), write_kv, attention (with the bfloat16 model's conversions of q and of the output), o_proj, gate_up_proj (the
+// whole MLP where it is one call, with the norm where that is in it), silu_mul, down_proj, lm_head (`--profile`
+// reports them; two clock reads a call, ~20 us a step).
 // Returns 0, or 1 without computing anything where a position is past the rotary tables' max_positions rows (the
 // eager forward then raises its index error).
 constexpr int64_t LAYER_PTRS = 12;
@@ -97,6 +105,9 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
   const auto mlp = reinterpret_cast<mlp_fn>(fns[7]);
   const int64_t H = dims[0], HQ = dims[1], HKV = dims[2], D = dims[3], I = dims[4];
   const bool mlp_call = mlp != nullptr && dims[6] > 0 && B >= dims[6];
+  const auto norm_linear = reinterpret_cast<norm_linear_fn>(fns[8]);
+  const auto norm_mlp = reinterpret_cast<norm_mlp_fn>(fns[9]);
+  const bool norm_calls = PAGODA_ELEM == 0 && mlp_call && norm_linear != nullptr && norm_mlp != nullptr;
   [[maybe_unused]] const bool kv_as_f32 = dims[5] != 0;
   const int64_t QS = HQ * D, KVS = HKV * D, QKV = QS + 2 * KVS;
   auto* residual = static_cast<elem_t*>(bufs[0]);
@@ -124,14 +135,20 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
   });
   for (int64_t l = 0; l < num_layers; ++l) {
     void* const* p = layers + l * LAYER_PTRS;
-    timed(ts, OP_NORM, [&] {
-      if (l == 0) {
-        norm(residual, H, nullptr, p[0], h, B, H, eps);
-      } else {
-        norm(x, H, residual, p[0], h, B, H, eps);  // residual += x (the previous MLP's output)
-      }
-    });
-    timed(ts, OP_QKV, [&] { gemv(h, p[1], p[2], qkv, B, QKV, H); });
+    if (norm_calls) {  // the norm and the projection: h = residual (+= x), the norm's output never written
+      const void* in = l == 0 ? residual : x;
+      void* res = l == 0 ? nullptr : residual;
+      timed(ts, OP_QKV, [&] { norm_linear(in, res, p[0], eps, p[1], p[2], qkv, B, QKV, H, dims[7]); });
+    } else {
+      timed(ts, OP_NORM, [&] {
+        if (l == 0) {
+          norm(residual, H, nullptr, p[0], h, B, H, eps);
+        } else {
+          norm(x, H, residual, p[0], h, B, H, eps);  // residual += x (the previous MLP's output)
+        }
+      });
+      timed(ts, OP_QKV, [&] { gemv(h, p[1], p[2], qkv, B, QKV, H); });
+    }
     timed(ts, OP_ROTARY, [&] { rotary(qkv, QKV, HQ, qkv + QS, QKV, HKV, cos, sin, B, D); });
     timed(ts, OP_WRITE_KV, [&] {
 #if PAGODA_ELEM == 1
@@ -159,6 +176,10 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
 #endif
     });
     timed(ts, OP_O, [&] { gemv(attn, p[3], p[4], o, B, H, QS); });
+    if (norm_calls) {
+      timed(ts, OP_GATE_UP, [&] { norm_mlp(o, residual, p[5], eps, p[6], p[7], x, B, H, I, dims[7]); });
+      continue;
+    }
     timed(ts, OP_NORM, [&] { norm(o, H, residual, p[5], h, B, H, eps); });
     if (mlp_call) {  // the same bits as the three calls below
       timed(ts, OP_GATE_UP, [&] { mlp(h, p[6], p[7], x, B, H, I, dims[7]); });

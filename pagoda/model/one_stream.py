@@ -100,10 +100,16 @@ class OneStreamForward:
         mlp_rows = quantized.amx_rows if quantized is not None else 0
         if not mlp_rows or not all(gu is not None and gu.fuses_mlp_with(down) for gu, down in mlps):
             mlp_rows = 0
+        # and, with it, each norm in one call with the qkv projection or the MLP after it (DecoderLayer's norm_qkv
+        # and norm_mlp: the same bits again)
+        norms = bool(mlp_rows) and quantized is not None and hasattr(quantized.lib, "pagoda_norm_linear") and all(
+            packed_of(layer.self_attn.qkv_proj) is not None for layer in layers)
         fns = [linear_fn, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
                elementwise.pagoda_silu_mul, write, attention.pagoda_paged_decode_rows,
                lm_head[0] if lm_head is not None else linear_fn,
-               quantized.lib.pagoda_packed_mlp if mlp_rows and quantized is not None else None]
+               quantized.lib.pagoda_packed_mlp if mlp_rows and quantized is not None else None,
+               quantized.lib.pagoda_norm_linear if norms and quantized is not None else None,
+               quantized.lib.pagoda_norm_mlp if norms and quantized is not None else None]
         self._fns = (ctypes.c_void_p * len(fns))(*[_address(f) for f in fns])
 
         def ptr(t: torch.Tensor | None) -> int | None:
