@@ -621,7 +621,7 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < (x_ready ? 0 : mp); ++r) {
       uint16_t* o = xw + a_row(r, nb);  // row r of its group's first tile
-      const float* xr = x + r * K;
+      const float* xr = r < M ? x + r * K : nullptr;  // padding rows (r >= M) read nothing
       __m512 scale = _mm512_set1_ps(1.0f);
       if (norm && r < M) {
         float inv;

@@ -215,7 +215,7 @@ class DecoderLayer(nn.Module):
 
         On packed weights with the fused float32 elementwise ops, in steps the AMX tiles take, each norm goes into
         one call with the linear after it (NormLinear; the same bits): per call at 2,048 rows of the default model
-        qkv 1.06x and the MLP 1.03x the norm's call and then the layer's, at 32 rows 1.43x and 1.12x (BENCHMARKS.md,
+        qkv 1.22x and the MLP 1.04x the norm's call and then the layer's, at 32 rows 1.40x and 1.16x (BENCHMARKS.md,
         "RMSNorm into the tiles' rows")."""
         fused = self.ops.lib is not None and self.ops.dtype == torch.float32
         qkv = packed_of(self.self_attn.qkv_proj) if fused else None
