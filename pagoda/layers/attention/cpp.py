@@ -72,7 +72,7 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
     if rev is not None and hasattr(lib, "pagoda_paged_decode"):  # revisions before pagoda_paged_decode_rows
         signatures["pagoda_paged_decode"] = [ptr] * 10 + [i64] * 3 + [f32]
     if hasattr(lib, "pagoda_paged_prefill_amx"):  # where the compiler targets AMX: 16-bit, int8 per-token caches
-        signatures["pagoda_paged_prefill_amx"] = [ptr] * 6 + [i64] * 2 + [ptr, ptr, f32]
+        signatures["pagoda_paged_prefill_amx"] = [ptr, i64, i64] + [ptr] * 5 + [i64] * 2 + [ptr, ptr, f32]
         lib.pagoda_amx_init.restype = ctypes.c_int
     if hasattr(lib, "pagoda_int8_dot"):
         lib.pagoda_int8_dot.restype, lib.pagoda_int8_dot.argtypes = ctypes.c_int, []
@@ -311,15 +311,18 @@ def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torc
     applied in float32); the result in q's dtype (into out, as paged_prefill's)."""
     n, hq, d = q.shape
     lib = _library_for(kv_cache, hq)
-    qb = q.to(torch.bfloat16).contiguous()
+    # float32 and bfloat16 rows read in place (a view into the q/k/v projection's rows), float32 rounded by the kernel
+    qk = q if q.dtype in (torch.float32, torch.bfloat16) and q.stride(2) == 1 and q.stride(1) == d else (
+        q.to(torch.bfloat16).contiguous())
     bt = _prompt_table(block_table, kv_cache, seq_len, n)
     hkv = kv_cache.k.shape[2]
     padded = -(-seq_len // _AMX_KEYS) * _AMX_KEYS
     work = torch.empty(2 * hkv * (padded + 8) * d, dtype=torch.bfloat16)  # K and V repacked (the kernel's layout)
     out = _output(q, out)
     scales = tuple(None if t is None else t.data_ptr() for t in (kv_cache.k_scale, kv_cache.v_scale))
-    lib.pagoda_paged_prefill_amx(qb.data_ptr(), kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), *scales, bt.data_ptr(),
-                                 n, seq_len, out.data_ptr(), work.data_ptr(), scale)
+    lib.pagoda_paged_prefill_amx(qk.data_ptr(), qk.stride(0), int(qk.dtype == torch.float32), kv_cache.k.data_ptr(),
+                                 kv_cache.v.data_ptr(), *scales, bt.data_ptr(), n, seq_len, out.data_ptr(),
+                                 work.data_ptr(), scale)
     return out.to(q.dtype)
 
 

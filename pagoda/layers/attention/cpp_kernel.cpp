@@ -742,11 +742,13 @@ extern "C" int pagoda_amx_init() {
   return amx_granted() ? 0 : -1;
 }
 
-// As pagoda_paged_prefill, for a bfloat16, float16 or int8 cache: q (n, HQ, D) bfloat16; work holds the packed K
-// and V, 2 * HKV * (ceil(seq_len / KC) * KC + 8) * D bfloat16; kscale and vscale an int8 cache's scales (else null).
-extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, const elem_t* v, const void* kscale_,
-                                         const void* vscale_, const int64_t* block_table, int64_t n, int64_t seq_len,
-                                         float* out, uint16_t* work, float qscale) {
+// As pagoda_paged_prefill, for a bfloat16, float16 or int8 cache: q (n, HQ, D), its token rows q_stride elements
+// apart, float32 (q_f32 1: rounded to bfloat16 here, to nearest even) or bfloat16 (0); work holds the packed K and V,
+// 2 * HKV * (ceil(seq_len / KC) * KC + 8) * D bfloat16; kscale and vscale an int8 cache's scales (else null).
+extern "C" void pagoda_paged_prefill_amx(const void* q_in, int64_t q_stride, int64_t q_f32, const elem_t* k,
+                                         const elem_t* v, const void* kscale_, const void* vscale_,
+                                         const int64_t* block_table, int64_t n, int64_t seq_len, float* out,
+                                         uint16_t* work, float qscale) {
   const auto* kscale = static_cast<const _Float16*>(kscale_);
   const auto* vscale = static_cast<const _Float16*>(vscale_);
   [[maybe_unused]] const bool scaled = kscale != nullptr;
@@ -811,23 +813,24 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, 
       // A tile of 16 query rows for the G query heads of KV head h, which share each step's K and V (in L1)
       const int64_t tile = tiles - 1 - item / HKV, h = item % HKV;  // the longest tiles first
       const int64_t r0 = tile * 16, rows = std::min<int64_t>(16, n - r0);
-      // q's rows, read in place with q's row stride; a partial last tile is copied, zero-padded, to qb
+      // the tile's q rows of each head in bfloat16, zero-padded past n: float32 ones rounded here, where a torch
+      // conversion had been a pass of its own over the chunk (1.6% of a q4_1 prompt run's `perf` samples)
       alignas(64) uint16_t qb[G][16 * D];
-      const uint16_t* qt[G];
-      int64_t qstride = HQ * D * 2;
-      for (int64_t g = 0; g < G; ++g) qt[g] = q_in + (r0 * HQ + h * G + g) * D;
-      if (rows < 16) {
-        for (int64_t g = 0; g < G; ++g) {
-          for (int64_t r = 0; r < 16; ++r) {
-            if (r < rows) {
-              std::memcpy(qb[g] + r * D, qt[g] + r * HQ * D, D * sizeof(uint16_t));
-            } else {
-              std::memset(qb[g] + r * D, 0, D * sizeof(uint16_t));
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t r = 0; r < 16; ++r) {
+          uint16_t* dst = qb[g] + r * D;
+          const int64_t at = (r0 + r) * q_stride + (h * G + g) * D;
+          if (r >= rows) {
+            std::memset(dst, 0, D * sizeof(uint16_t));
+          } else if (q_f32) {
+            for (int64_t d = 0; d < D; d += 16) {
+              const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(static_cast<const float*>(q_in) + at + d));
+              std::memcpy(dst + d, &b, sizeof(b));
             }
+          } else {
+            std::memcpy(dst, static_cast<const uint16_t*>(q_in) + at, D * sizeof(uint16_t));
           }
-          qt[g] = qb[g];
         }
-        qstride = D * 2;
       }
       alignas(64) float acc[G][16 * D] = {};
       alignas(64) float sc[16 * KC];
@@ -855,7 +858,7 @@ extern "C" void pagoda_paged_prefill_amx(const uint16_t* q_in, const elem_t* k, 
 #define PAGODA_SCORES_32(Q, d)                                         \
   {                                                                    \
     const uint16_t* kb = kp + (h * D / 2 + (d) / 2) * ks + kc * 2;     \
-    _tile_loadd(Q, qt[g] + (d), qstride);                              \
+    _tile_loadd(Q, qb[g] + (d), D * 2);                                \
     _tile_loadd(5, kb, ks * 2);                                        \
     _tile_dpbf16ps(0, Q, 5);                                           \
     _tile_loadd(7, kb + 32, ks * 2);                                   \
