@@ -621,7 +621,8 @@ def test_cpp_backend_sends_a_long_float32_prompt_to_sdpa_only_over_a_float32_cac
 def test_cpp_backend_writes_prompt_chunks_into_the_steps_rows(dtype: torch.dtype, storage: torch.dtype,
                                                               bf16_prompts: bool) -> None:
     """prefill_into: float32 chunks go straight into the rows given (the AMX tiles' kernel and the loop's), other
-    dtypes through a copy; either way exactly prefill's result. A kernel's out of another shape or dtype is refused."""
+    dtypes through a copy; either way exactly prefill's result, as from queries that are a view of wider rows. A
+    kernel's out of another shape or dtype is refused."""
     import pagoda.layers.attention.cpp as cpp
     from tests.layers.test_kv_quant import make_cache
 
@@ -639,6 +640,11 @@ def test_cpp_backend_writes_prompt_chunks_into_the_steps_rows(dtype: torch.dtype
     backend.prefill_into(step[4:n + 4], q, q[:, :hkv], q[:, :hkv], cache, table, seq_len, d**-0.5)
     assert torch.equal(step[4:n + 4], want)
     assert step[:4].isnan().all() and step[n + 4:].isnan().all()
+    # the queries as the engine hands them over: a view of wider q/k/v rows, read in place by the kernels
+    rows = torch.cat([q.flatten(1), torch.randn(n, 2 * hkv * d, generator=g).to(dtype)], dim=1)
+    view = rows[:, :hkv * group * d].view(n, hkv * group, d)
+    assert not view.is_contiguous()
+    assert torch.equal(backend.prefill(view, q[:, :hkv], q[:, :hkv], cache, table, seq_len, d**-0.5), want)
     with pytest.raises(ValueError, match="out must be a contiguous float32 tensor"):
         cpp.paged_prefill(q.float(), cache, table, seq_len, d**-0.5, out=torch.empty(n, hkv * group, d - 1))
 
