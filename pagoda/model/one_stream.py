@@ -139,6 +139,7 @@ class OneStreamForward:
                                    cfg.intermediate_size, int(kv_as_f32), mlp_rows,
                                    int(isinstance(quantized, Q8Linear))], dtype=torch.int64)
         self.mlp_min_rows = mlp_rows  # the fewest decodes a step has for its MLP to be one call (0: never)
+        self.fused_norms = norms  # whether such steps also run each norm in one call with the linear after it
         self._rows = self._work_floats = 0  # what the scratch buffers hold (_scratch)
         self._bufs_tensors: list[torch.Tensor] = []
         self._bufs = (ctypes.c_void_p * _BUFFERS)()

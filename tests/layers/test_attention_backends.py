@@ -618,8 +618,8 @@ def test_cpp_backend_sends_a_long_float32_prompt_to_sdpa_only_over_a_float32_cac
 @pytest.mark.parametrize(("dtype", "storage", "bf16_prompts"), [
     (torch.float32, torch.float32, False), (torch.float32, torch.float16, True), (torch.float32, torch.float16, False),
     (torch.bfloat16, torch.bfloat16, False)])
-def test_cpp_backend_writes_prompt_chunks_into_the_steps_rows(dtype: torch.dtype, storage: torch.dtype,
-                                                              bf16_prompts: bool) -> None:
+def test_cpp_backend_writes_prompt_chunks_into_the_steps_rows(
+        dtype: torch.dtype, storage: torch.dtype, bf16_prompts: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """prefill_into: float32 chunks go straight into the rows given (the AMX tiles' kernel and the loop's), other
     dtypes through a copy; either way exactly prefill's result, as from queries that are a view of wider rows. A
     kernel's out of another shape or dtype is refused."""
@@ -637,7 +637,13 @@ def test_cpp_backend_writes_prompt_chunks_into_the_steps_rows(dtype: torch.dtype
     backend = CppAttentionBackend(bf16_prompts=bf16_prompts)
     want = backend.prefill(q, q[:, :hkv], q[:, :hkv], cache, table, seq_len, d**-0.5)
     step = torch.full((n + 8, hkv * group, d), float("nan"), dtype=dtype)
+    handed: list[int | None] = []  # the out each kernel call was given (its address)
+    for name in ("paged_prefill", "paged_prefill_amx"):
+        kernel = getattr(cpp, name)
+        monkeypatch.setattr(cpp, name, lambda *a, kernel=kernel, **kw: handed.append(
+            None if kw.get("out") is None else kw["out"].data_ptr()) or kernel(*a, **kw))
     backend.prefill_into(step[4:n + 4], q, q[:, :hkv], q[:, :hkv], cache, table, seq_len, d**-0.5)
+    assert handed == [step[4].data_ptr() if dtype == torch.float32 else None]  # float32: no tensor of its own
     assert torch.equal(step[4:n + 4], want)
     assert step[:4].isnan().all() and step[n + 4:].isnan().all()
     # the queries as the engine hands them over: a view of wider q/k/v rows, read in place by the kernels
