@@ -533,7 +533,8 @@ static inline const float* norm_row(const Norm& norm, const float* x, int64_t r,
 // 16-column tiles (a gate_up projection fused with its SiLU-and-multiply pairs gate tile t with up tile t + N / 32),
 // a chunk of pairs at a time, widens their weights into its buffer in the tiles' B layout (per tile and block, 16
 // rows of 16 columns' (k, k + 1) pairs: 1 KiB), and runs every 32 rows of x past them: two A tiles (16 rows x 32
-// k), two B, four float32 sums 16 x 16.
+// k), two B, four float32 sums 16 x 16. The threads split the pairs between them, or from ROW_SPLIT_MIN_ROWS rows
+// the rows (every thread then takes every pair).
 namespace q4amx {
 // The fewest rows of a call that take the tiles (which compute rows in passes of 32, and widen each call's weights).
 // On the Xeon, against the VNNI kernel: Q4_1 0.86-0.99x at 16 rows, 1.01-1.20x at 20, 1.17-1.36x at 24 and 1.33-1.56x
@@ -544,6 +545,17 @@ constexpr int64_t MR = 32;        // rows a pass: two A tiles
 constexpr int64_t CHUNK = 8;      // pairs of tiles widened at a time (256 columns: 288-768 KiB of bfloat16)
 constexpr int64_t B_ELEMS = 16 * 32;  // bfloat16 values of one tile's block (A or B)
 constexpr int64_t PREFETCH = 2;        // blocks ahead that a pass prefetches its A tiles' lines
+// Calls of this many rows (padded to MR) or more split their rows between the threads, each running its rows past
+// every pair of tiles (and so widening every weight itself); fewer split the pairs, every thread running all rows.
+// Split by pairs, a thread reads rows that the other rounded (or, in an MLP's down pass, whose columns the other's
+// gate_up pass wrote), fresh in the other core's cache; split by rows, each reads only what it wrote itself. On the
+// Xeon, against the split by pairs (same bits): q/k/v 1.05-1.15x at 320-2,048 rows, o_proj 1.08-1.20x, the MLP
+// 0.96x at 320, 1.00x at 384, 1.02-1.10x at 448-2,048; at 64-256 rows widening every weight twice costs more (the
+// MLP 0.76-0.96x). Defined otherwise by tests (q4_linear.q4_library's row_split_min_rows) to compare the two.
+#ifndef PAGODA_ROW_SPLIT_MIN_ROWS
+#define PAGODA_ROW_SPLIT_MIN_ROWS 384
+#endif
+constexpr int64_t ROW_SPLIT_MIN_ROWS = PAGODA_ROW_SPLIT_MIN_ROWS;
 
 // Whether the OS lets this process use AMX tile data; asked once, when the library loads.
 static const bool granted = amx_granted();
@@ -616,10 +628,24 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
   const uint16_t* const xb = x_ready ? x_ready : xw;
   const int64_t tiles = N / NR, pairs = silu_mul ? tiles / 2 : (tiles + 1) / 2, yn = silu_mul ? N / 2 : N;
   const int64_t nb_next = yn / QK;
+  const bool by_rows = mp >= ROW_SPLIT_MIN_ROWS;  // each thread's share: its rows (m0 .. m1) or its pairs (p0 .. p1)
 #pragma omp parallel
   {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < (x_ready ? 0 : mp); ++r) {
+    const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    // [lo, hi) of n items in units of `unit`, split between the threads as `omp for schedule(static)` would
+    const auto share = [&](int64_t n, int64_t unit, int64_t* lo, int64_t* hi) {
+      const int64_t units = n / unit, per = units / nt, extra = units % nt;
+      *lo = (id * per + std::min<int64_t>(id, extra)) * unit;
+      *hi = *lo + (per + (id < extra ? 1 : 0)) * unit;
+    };
+    int64_t m0 = 0, m1 = mp, p0 = 0, p1 = pairs;
+    if (by_rows) {
+      share(mp, MR, &m0, &m1);
+    } else {
+      share(pairs, 1, &p0, &p1);
+    }
+    // Row r of x rounded to bfloat16 (with the norm applied where given) into its place in xw
+    const auto round_row = [&](int64_t r) {
       uint16_t* o = xw + a_row(r, nb);  // row r of its group's first tile
       const float* xr = r < M ? x + r * K : nullptr;  // padding rows (r >= M) read nothing
       __m512 scale = _mm512_set1_ps(1.0f);
@@ -639,16 +665,18 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + b * 16 * QK + h), v);
         }
       }
+    };
+    if (by_rows) {  // each thread rounds the rows it reads: no barrier
+      for (int64_t r = m0; r < (x_ready ? m0 : m1); ++r) round_row(r);
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < (x_ready ? 0 : mp); ++r) round_row(r);
     }
     const AmxTiles tiles_in_use;  // all eight 16 x 64 bytes (cpp_vector.h), the thread's previous ones put back after
     thread_local LineAlignedBuffer<uint16_t> wbuf;  // this thread's chunk of widened tiles, kept between calls
     uint16_t* wb = wbuf.reserve(CHUNK * 2 * nb * B_ELEMS);
     alignas(64) float c[MR * 32];                         // a pass's sums: 32 rows of the pair's 32 columns
-    // the pairs, split between the threads as `omp for schedule(static)` would
-    const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-    const int64_t per = pairs / nt, extra = pairs % nt;
-    const int64_t p0 = id * per + std::min<int64_t>(id, extra), p1 = p0 + per + (id < extra ? 1 : 0);
-    for (int64_t c0 = p0; c0 < p1; c0 += CHUNK) {
+    for (int64_t c0 = p0; c0 < p1 && m0 < m1; c0 += CHUNK) {
       const int64_t c1 = std::min(p1, c0 + CHUNK);
       // the chunk's tiles: pair q's first tile and second (absent where N has an odd number of tiles)
       const auto tile_of = [&](int64_t q, int side) { return silu_mul ? q + side * pairs : 2 * q + side; };
@@ -659,7 +687,7 @@ static void linear(const float* x, const uint8_t* w, const float* bias, float* y
           for (int64_t b = 0; b < nb; ++b)
             Widen(w + (t * nb + b) * Record, wb + (((q - c0) * 2 + side) * nb + b) * B_ELEMS);
         }
-      for (int64_t r0 = 0; r0 < mp; r0 += MR) {
+      for (int64_t r0 = m0; r0 < m1; r0 += MR) {
         const uint16_t* a = xb + r0 * K;  // rows r0 .. r0 + 15, then r0 + 16 .. r0 + 31 (nb * 16 * QK further)
         for (int64_t q = c0; q < c1; ++q) {
           const uint16_t* b0 = wb + ((q - c0) * 2) * nb * B_ELEMS;

@@ -50,12 +50,16 @@ _SOURCE = Path(__file__).with_name("q4_gemm.cpp")
 
 
 @functools.cache
-def q4_library(portable: bool = False, rev: str | None = None, no_vnni: bool = False, no_amx: bool = False) -> Any:
+def q4_library(portable: bool = False, rev: str | None = None, no_vnni: bool = False, no_amx: bool = False,
+               row_split_min_rows: int | None = None) -> Any:
     """The compiled kernels; portable: the plain C++ sums, without AVX2 intrinsics (tests compare the two); rev:
     the kernels as of that git revision (`bench.q4_linear --versus-rev`); no_vnni: the AVX2 instructions even
-    where AVX-512 VNNI is (tests compare the two); no_amx: the VNNI tiles even where AMX is (the same)."""
+    where AVX-512 VNNI is (tests compare the two); no_amx: the VNNI tiles even where AMX is (the same);
+    row_split_min_rows: from how many rows the AMX tiles' threads split a call's rows rather than its weight tiles
+    (q4_gemm.cpp's ROW_SPLIT_MIN_ROWS, tests compare the two)."""
     defines = ({"PORTABLE": 1} if portable else {}) | ({"NO_VNNI": 1} if no_vnni else {}) | (
-        {"NO_AMX": 1} if no_amx else {})
+        {"NO_AMX": 1} if no_amx else {}) | (
+        {} if row_split_min_rows is None else {"ROW_SPLIT_MIN_ROWS": row_split_min_rows})
     lib = load_library(_SOURCE, defines, rev=rev)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_q8_quantize.argtypes = [ptr] * 4 + [i64] * 2

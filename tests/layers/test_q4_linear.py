@@ -158,7 +158,7 @@ def test_amx_tiles_against_the_bfloat16_reference(layer_type: type) -> None:
         exact_w = (dequantize_q4_1(q, d, m) if m is not None else dequantize_q8_0(q, d)).double()
         for bias in (None, torch.randn(n, generator=g)):
             tiles, vnni = layer_type(w, bias, lib), layer_type(w, bias, plain)
-            for rows in (least - 1, least, least + 1, 100, 300):
+            for rows in (least - 1, least, least + 1, 100, 300, 417):
                 x = torch.randn(rows, k, generator=g) * 4
                 y = tiles(x)
                 if rows < least:
@@ -168,6 +168,40 @@ def test_amx_tiles_against_the_bfloat16_reference(layer_type: type) -> None:
                 torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
                 exact = x.double() @ exact_w.T + (0 if bias is None else bias.double())
                 assert (y.double() - exact).abs().mean() < (vnni(x).double() - exact).abs().mean()
+
+
+@pytest.mark.parametrize("layer_type", [Q4Linear, Q8Linear])
+def test_amx_threads_split_rows_or_tiles_to_the_same_bits(layer_type: type) -> None:
+    """Where the CPU has AMX, a call's threads split its rows between them from ROW_SPLIT_MIN_ROWS rows (each widening
+    every weight) and its pairs of weight tiles below: the layer, its fused SiLU-and-multiply, the MLP in one call and
+    the norm ahead of either give the same bits either way, at row counts whose passes of 32 split evenly and not,
+    and with one thread."""
+    if not q4_linear.amx_min_rows(q4_linear.q4_library()):
+        pytest.skip("no AMX tiles here (CPU, compiler target or OS)")
+    by_rows, by_tiles = (q4_linear.q4_library(row_split_min_rows=n) for n in (32, 1 << 30))
+    g = torch.Generator().manual_seed(12)
+    h, i = 576, 1536
+    weights = [torch.randn(2 * i, h, generator=g) * 0.1, torch.randn(h, i, generator=g) * 0.1,
+               torch.randn(3 * 64, h, generator=g) * 0.1]
+    bias = torch.randn(3 * 64, generator=g)
+    (gu_r, down_r, qkv_r), (gu_t, down_t, qkv_t) = (
+        [layer_type(w, bias if w.shape[0] == 3 * 64 else None, lib) for w in weights] for lib in (by_rows, by_tiles))
+    norm_weight = torch.rand(h, generator=g) + 0.5
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in {threads, 1}:
+            torch.set_num_threads(n_threads)
+            for rows in (20, 32, 33, 64, 95, 100, 417):
+                x, residual = torch.randn(rows, h, generator=g) * 3, torch.randn(rows, h, generator=g)
+                assert torch.equal(qkv_r(x), qkv_t(x)), rows
+                assert torch.equal(gu_r.silu_mul(x), gu_t.silu_mul(x)), rows
+                assert torch.equal(gu_r.mlp(x, down_r), gu_t.mlp(x, down_t)), rows
+                for layer_r, layer_t, down in ((qkv_r, qkv_t, (None, None)), (gu_r, gu_t, (down_r, down_t))):
+                    y_r, h_r = layer_r.after_norm(x, residual.clone(), norm_weight, 1e-5, down[0])
+                    y_t, h_t = layer_t.after_norm(x, residual.clone(), norm_weight, 1e-5, down[1])
+                    assert torch.equal(y_r, y_t) and torch.equal(h_r, h_t), rows
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("layer_type", [Q4Linear, Q8Linear])
