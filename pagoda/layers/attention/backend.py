@@ -7,7 +7,7 @@ causally to the whole context of its sequence (earlier chunks already in the cac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -33,6 +33,19 @@ class DecodeGroup:
 
 
 @dataclass
+class PromptChunks:
+    """A step's prompt chunks as flat int64 tensors, for kernels that take them all in one call: chunk s has counts[s]
+    query rows from starts[s], context length seq_lens[s] (also as a list) and its block table at tables[
+    table_starts[s]:]."""
+    starts: torch.Tensor
+    counts: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_list: list[int]
+    tables: torch.Tensor
+    table_starts: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) int64: block_id * block_size + offset for each new token
     query_start_loc: list[int]  # (B + 1,) row offsets of each sequence's queries
@@ -40,6 +53,25 @@ class AttentionMetadata:
     block_tables: dict[int, torch.Tensor]  # the prompt chunks' (prefill_idx) block tables (num_blocks_i,) int64
     decode_groups: list[DecodeGroup]  # sequences with exactly one query (decodes), batched
     prefill_idx: list[int]  # sequences with more than one query
+    _prompt_chunks: PromptChunks | None = field(default=None, init=False, repr=False)
+
+    def prompt_chunks(self) -> PromptChunks:
+        """The prompt chunks (prefill_idx) as PromptChunks, built at the first call of the step (its first layer's)
+        and kept for the others."""
+        if self._prompt_chunks is None:
+            idx, qsl = self.prefill_idx, self.query_start_loc
+            tables = [self.block_tables[i] for i in idx]
+            lens = [self.seq_lens[i] for i in idx]
+            table_starts = [0]
+            for t in tables[:-1]:
+                table_starts.append(table_starts[-1] + t.numel())
+            self._prompt_chunks = PromptChunks(
+                starts=torch.tensor([qsl[i] for i in idx], dtype=torch.long),
+                counts=torch.tensor([qsl[i + 1] - qsl[i] for i in idx], dtype=torch.long),
+                seq_lens=torch.tensor(lens, dtype=torch.long), seq_lens_list=lens,
+                tables=torch.cat(tables) if tables else torch.empty(0, dtype=torch.long),
+                table_starts=torch.tensor(table_starts[:len(idx)], dtype=torch.long))
+        return self._prompt_chunks
 
 
 
@@ -147,11 +179,17 @@ class PagedAttentionBackend:
                 out[lo:hi] = self.decode(q[lo:hi], kv_cache, group, scale)
             else:
                 out[group.rows] = self.decode(q[group.rows], kv_cache, group, scale)
+        self.prefill_chunks(out, q, k, v, kv_cache, meta, scale)
+        return out
+
+    def prefill_chunks(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> None:
+        """The step's prompt chunks (meta.prefill_idx) into their rows of out: one at a time (prefill_into), unless a
+        backend can take them together."""
         for i in meta.prefill_idx:
             lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             self.prefill_into(out[lo:hi], q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, meta.block_tables[i],
                               meta.seq_lens[i], scale)
-        return out
 
     def warmup(self, kv_cache: PagedKVCache, num_q_heads: int, dtype: torch.dtype, scale: float) -> float:
         return 0.0

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pagoda.layers.attention.backend import DecodeGroup
+from pagoda.layers.attention.backend import AttentionMetadata, DecodeGroup, PromptChunks
 from pagoda.layers.attention.paged_kv import PagedKVCache, is_k_cache_layout, is_scale_layout
 from pagoda.layers.attention.sdpa import KernelBackend
 from pagoda.layers.cpp_build import load_library
@@ -74,6 +74,8 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
     if hasattr(lib, "pagoda_paged_prefill_amx"):  # where the compiler targets AMX: 16-bit, int8 per-token caches
         signatures["pagoda_paged_prefill_amx"] = [ptr, i64, i64] + [ptr] * 5 + [i64] * 2 + [ptr, ptr, f32]
         lib.pagoda_amx_init.restype = ctypes.c_int
+    if hasattr(lib, "pagoda_paged_prefill_amx_chunks"):
+        signatures["pagoda_paged_prefill_amx_chunks"] = [ptr, i64, i64] + [ptr] * 9 + [i64, ptr, ptr, f32]
     if hasattr(lib, "pagoda_int8_dot"):
         lib.pagoda_int8_dot.restype, lib.pagoda_int8_dot.argtypes = ctypes.c_int, []
     for name, argtypes in signatures.items():
@@ -311,13 +313,9 @@ def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torc
     applied in float32); the result in q's dtype (into out, as paged_prefill's)."""
     n, hq, d = q.shape
     lib = _library_for(kv_cache, hq)
-    # float32 and bfloat16 rows read in place (a view into the q/k/v projection's rows), float32 rounded by the kernel
-    qk = q if q.dtype in (torch.float32, torch.bfloat16) and q.stride(2) == 1 and q.stride(1) == d else (
-        q.to(torch.bfloat16).contiguous())
+    qk = _amx_queries(q)
     bt = _prompt_table(block_table, kv_cache, seq_len, n)
-    hkv = kv_cache.k.shape[2]
-    padded = -(-seq_len // _AMX_KEYS) * _AMX_KEYS
-    work = torch.empty(2 * hkv * (padded + 8) * d, dtype=torch.bfloat16)  # K and V repacked (the kernel's layout)
+    work = torch.empty(_amx_work_elems(kv_cache, seq_len), dtype=torch.bfloat16)  # K and V repacked for the tiles
     out = _output(q, out)
     scales = tuple(None if t is None else t.data_ptr() for t in (kv_cache.k_scale, kv_cache.v_scale))
     lib.pagoda_paged_prefill_amx(qk.data_ptr(), qk.stride(0), int(qk.dtype == torch.float32), kv_cache.k.data_ptr(),
@@ -327,6 +325,40 @@ def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torc
 
 
 _AMX_KEYS = 64  # keys per step of the AMX kernel (amx::KC)
+
+
+def _amx_work_elems(kv_cache: PagedKVCache, seq_len: int) -> int:
+    """bfloat16 values of the AMX kernel's work for a chunk of seq_len keys: its K and V packed (amx::packed_elems)."""
+    _, _, hkv, d = kv_cache.k.shape
+    return 2 * hkv * (-(-seq_len // _AMX_KEYS) * _AMX_KEYS + 8) * d
+
+
+def _amx_queries(q: torch.Tensor) -> torch.Tensor:
+    """q as the AMX kernel reads it: float32 and bfloat16 rows in place (a view into the q/k/v projection's rows,
+    float32 rounded by the kernel), others rounded to bfloat16 first."""
+    d = q.shape[2]
+    if q.dtype in (torch.float32, torch.bfloat16) and q.stride(2) == 1 and q.stride(1) == d:
+        return q
+    return q.to(torch.bfloat16).contiguous()
+
+
+def paged_prefill_amx_chunks(q: torch.Tensor, kv_cache: PagedKVCache, chunks: PromptChunks, scale: float,
+                             out: torch.Tensor) -> None:
+    """paged_prefill_amx for all of a step's prompt chunks in one kernel call (one parallel region: every chunk's
+    context packed, then all their tiles of queries balanced between the threads, the longest first): q (T, Hq, D)
+    the step's queries, out (T, Hq, D) float32 contiguous the step's output, whose chunks' rows it writes."""
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.shape != q.shape:
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(q.shape)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    lib = _library_for(kv_cache, q.shape[1])
+    qk = _amx_queries(q)
+    work = torch.empty(sum(_amx_work_elems(kv_cache, n) for n in chunks.seq_lens_list), dtype=torch.bfloat16)
+    scales = tuple(None if t is None else t.data_ptr() for t in (kv_cache.k_scale, kv_cache.v_scale))
+    lib.pagoda_paged_prefill_amx_chunks(
+        qk.data_ptr(), qk.stride(0), int(qk.dtype == torch.float32), kv_cache.k.data_ptr(), kv_cache.v.data_ptr(),
+        *scales, chunks.tables.data_ptr(), chunks.table_starts.data_ptr(), chunks.starts.data_ptr(),
+        chunks.counts.data_ptr(), chunks.seq_lens.data_ptr(), len(chunks.seq_lens_list), out.data_ptr(),
+        work.data_ptr(), scale)
 # Prompts take the AMX kernel where it is available and the prefill routing allows (CppAttentionBackend.prefill);
 # False sends them all to the other paths (in-engine comparisons and tests set it so)
 AMX_PREFILL = True
@@ -382,14 +414,30 @@ class CppAttentionBackend(KernelBackend):
         if res is not out:
             out.copy_(res)
 
+    def prefill_chunks(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> None:
+        # Chunks for the AMX tiles with a float32 output: all of the step's in one call (paged_prefill_amx_chunks),
+        # where a call per chunk cost ~50 us of Python each (a 2,048-token prompt step of the default model has ~7
+        # chunks in each of 30 layers) and left each call's last tiles to one thread
+        if (meta.prefill_idx and self._amx_prompts(q, kv_cache) and out.dtype == torch.float32
+                and out.is_contiguous()):
+            paged_prefill_amx_chunks(q, kv_cache, meta.prompt_chunks(), scale, out)
+            return
+        super().prefill_chunks(out, q, k, v, kv_cache, meta, scale)
+
+    def _amx_prompts(self, q: torch.Tensor, kv_cache: PagedKVCache) -> bool:
+        """Whether prompt chunks of q's dtype over this cache take the AMX tiles: bfloat16 queries over a 16-bit
+        cache, any queries over an int8 one (whose values are 8-bit already) and, under bf16_prompts, over a 16-bit
+        one, where the CPU has them."""
+        return (not self.fallback and supports(kv_cache, q.dtype)
+                and (q.dtype == torch.bfloat16 or kv_cache.k.dtype == torch.int8 or self.bf16_prompts)
+                and amx_prefill_available(kv_cache, q.shape[1]))
+
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
                  block_table: torch.Tensor, seq_len: int, scale: float, out: torch.Tensor | None) -> torch.Tensor:
         if self.fallback or not supports(kv_cache, q.dtype):
             return super().prefill(q, k, v, kv_cache, block_table, seq_len, scale)
-        # bfloat16 queries over a 16-bit cache, any queries over an int8 one (whose values are 8-bit already) and,
-        # under bf16_prompts, over a 16-bit one, on AMX tiles where the CPU has them
-        if (q.dtype == torch.bfloat16 or kv_cache.k.dtype == torch.int8 or self.bf16_prompts) and amx_prefill_available(
-                kv_cache, q.shape[1]):
+        if self._amx_prompts(q, kv_cache):
             return paged_prefill_amx(q, kv_cache, block_table, seq_len, scale, out=out)
         if prefill_in_kernel(q.dtype, q.shape[0], seq_len, kv_cache.k.dtype):
             return paged_prefill(q, kv_cache, block_table, seq_len, scale, out=out)

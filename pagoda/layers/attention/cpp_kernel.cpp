@@ -742,36 +742,89 @@ extern "C" int pagoda_amx_init() {
   return amx_granted() ? 0 : -1;
 }
 
-// As pagoda_paged_prefill, for a bfloat16, float16 or int8 cache: q (n, HQ, D), its token rows q_stride elements
-// apart, float32 (q_f32 1: rounded to bfloat16 here, to nearest even) or bfloat16 (0); work holds the packed K and V,
-// 2 * HKV * (ceil(seq_len / KC) * KC + 8) * D bfloat16; kscale and vscale an int8 cache's scales (else null).
-extern "C" void pagoda_paged_prefill_amx(const void* q_in, int64_t q_stride, int64_t q_f32, const elem_t* k,
-                                         const elem_t* v, const void* kscale_, const void* vscale_,
-                                         const int64_t* block_table, int64_t n, int64_t seq_len, float* out,
-                                         uint16_t* work, float qscale) {
-  const auto* kscale = static_cast<const _Float16*>(kscale_);
-  const auto* vscale = static_cast<const _Float16*>(vscale_);
-  [[maybe_unused]] const bool scaled = kscale != nullptr;
+namespace amx {
+// One prompt chunk of an AMX call: n queries, the first at row q0 of the call's q and out, the last at position
+// seq_len - 1 of its sequence; its block table; where its context goes packed (kp, vp: K as (HKV, D / 2, lp, 2),
+// rows ks apart, V as (HKV, lp / 2, D, 2)) and, for an int8 cache, its scales per (KV head, key) as float32 (ksp,
+// vsp; zeros past seq_len).
+struct Chunk {
+  int64_t q0, n, seq_len;
+  const int64_t* block_table;
+  int64_t lp, ks, groups, tiles;  // keys padded to whole steps, K's row stride, groups of 16 keys, tiles of 16 queries
+  uint16_t* kp;
+  uint16_t* vp;
+  float* ksp;
+  float* vsp;
+};
+
+// bfloat16 values of work a chunk of seq_len keys takes: its K and V packed (the Python side allocates as much)
+static inline int64_t packed_elems(int64_t seq_len) {
+  const int64_t lp = (seq_len + KC - 1) / KC * KC;
+  return 2 * HKV * (lp + 8) * D;
+}
+}  // namespace amx
+
+// Prompt attention on the tiles for S chunks (of one or more sequences) in one parallel region: first every chunk's
+// context is packed, then the tiles of 16 queries of all chunks are attended, the longest first (the dynamic
+// schedule then balances the short ones; a call per chunk left each call's last items to one thread). q rows q_stride
+// elements apart, float32 (q_f32) or bfloat16; out (rows, HQ, D) float32, the chunks' rows where their queries are.
+static void prefill_amx(const void* q_in, int64_t q_stride, bool q_f32, const elem_t* k, const elem_t* v,
+                        const _Float16* kscale, const _Float16* vscale, amx::Chunk* chunks, int64_t S, float* out,
+                        uint16_t* work, float qscale) {
   using namespace amx;
-  const int64_t lp = (seq_len + KC - 1) / KC * KC;  // keys, padded to whole steps
-  // K's rows are padded by a line: at a power-of-two stride, a tile's 16 rows fall into 2 of L1's 64 sets
-  const int64_t ks = lp * 2 + 32;        // K's row stride, elements
-  uint16_t* kp = work;                   // (HKV, D / 2, lp, 2), rows ks apart
-  uint16_t* vp = work + HKV * D / 2 * ks;  // (HKV, lp / 2, D, 2)
-  const int64_t groups = lp / 16;         // of 16 keys
+  [[maybe_unused]] const bool scaled = kscale != nullptr;
+  // Lay the chunks' packed contexts and scales out, and list the work items of both passes
+  int64_t scale_elems = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    Chunk& c = chunks[s];
+    c.lp = (c.seq_len + KC - 1) / KC * KC;
+    // K's rows are padded by a line: at a power-of-two stride, a tile's 16 rows fall into 2 of L1's 64 sets
+    c.ks = c.lp * 2 + 32;
+    c.kp = work;
+    c.vp = work + HKV * D / 2 * c.ks;
+    work += packed_elems(c.seq_len);
+    c.groups = c.lp / 16;
+    c.tiles = (c.n + 15) / 16;
+    scale_elems += 2 * HKV * c.lp;
+  }
+  std::vector<float> key_scales(kscale ? scale_elems : 0);
+  std::vector<int64_t> pack_items(S + 1, 0);  // chunk s's packing items are pack_items[s] .. pack_items[s + 1] - 1
+  struct Tile {
+    int64_t last, s, tile, h;  // the context length of its last row (its cost), the chunk, the tile, the KV head
+  };
+  std::vector<Tile> tile_items;
+  for (int64_t s = 0, at = 0; s < S; ++s) {
+    Chunk& c = chunks[s];
+    if (kscale) {
+      c.ksp = key_scales.data() + at;
+      c.vsp = c.ksp + HKV * c.lp;
+      at += 2 * HKV * c.lp;
+    } else {
+      c.ksp = c.vsp = nullptr;
+    }
+    pack_items[s + 1] = pack_items[s] + HKV * c.groups;
+    for (int64_t t = c.tiles - 1; t >= 0; --t) {
+      for (int64_t h = 0; h < HKV; ++h)
+        tile_items.push_back({c.seq_len - c.n + std::min(16 * t + 16, c.n), s, t, h});
+    }
+  }
+  std::stable_sort(tile_items.begin(), tile_items.end(), [](const Tile& a, const Tile& b) { return a.last > b.last; });
+  const int64_t n_tiles = int64_t(tile_items.size());
   const float log2e = 1.4426950408889634f;
-  const int64_t tiles = (n + 15) / 16;
-  // an int8 cache's scales per (KV head, key) as float32, K's and V's (zeros past seq_len)
-  std::vector<float> key_scales(kscale ? 2 * HKV * lp : 0);
-  float* ksp = key_scales.data();
-  float* vsp = ksp + HKV * lp;
 #pragma omp parallel
   {
     // Pack: per (KV head, 16 keys), interleaving K's rows d, d + 1 and V's rows t, t + 1. Past seq_len: zeros.
 #pragma omp for schedule(static)
-    for (int64_t item = 0; item < HKV * groups; ++item) {
-      const int64_t h = item / groups, t0 = (item % groups) * 16;
-      const int64_t block = t0 < seq_len ? block_table[t0 / BS] : -1, off = t0 % BS;
+    for (int64_t item = 0; item < pack_items[S]; ++item) {
+      const int64_t s = std::upper_bound(pack_items.begin(), pack_items.end(), item) - pack_items.begin() - 1;
+      const Chunk& ch = chunks[s];
+      const int64_t seq_len = ch.seq_len, lp = ch.lp, ks = ch.ks, local = item - pack_items[s];
+      uint16_t* const kp = ch.kp;
+      uint16_t* const vp = ch.vp;
+      float* const ksp = ch.ksp;
+      float* const vsp = ch.vsp;
+      const int64_t h = local / ch.groups, t0 = (local % ch.groups) * 16;
+      const int64_t block = t0 < seq_len ? ch.block_table[t0 / BS] : -1, off = t0 % BS;
       if (kscale) {  // the 16 keys' scales, stored (blocks, HKV, BS) like K
         for (int64_t t = 0; t < 16; ++t) {
           const bool in = t0 + t < seq_len;
@@ -806,20 +859,27 @@ extern "C" void pagoda_paged_prefill_amx(const void* q_in, int64_t q_stride, int
         }
       }
     }
-    // The implicit barrier above: every tile below reads the whole packed context.
+    // The implicit barrier above: every tile below reads the whole packed context of its chunk.
     const AmxTiles tiles_in_use;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < HKV * tiles; ++item) {
+    for (int64_t item = 0; item < n_tiles; ++item) {
       // A tile of 16 query rows for the G query heads of KV head h, which share each step's K and V (in L1)
-      const int64_t tile = tiles - 1 - item / HKV, h = item % HKV;  // the longest tiles first
-      const int64_t r0 = tile * 16, rows = std::min<int64_t>(16, n - r0);
+      const Tile& it = tile_items[item];
+      const Chunk& ch = chunks[it.s];
+      const int64_t n = ch.n, seq_len = ch.seq_len, lp = ch.lp, ks = ch.ks, h = it.h;
+      const uint16_t* const kp = ch.kp;
+      const uint16_t* const vp = ch.vp;
+      [[maybe_unused]] const float* const ksp = ch.ksp;
+      [[maybe_unused]] const float* const vsp = ch.vsp;
+      const int64_t r0 = it.tile * 16, rows = std::min<int64_t>(16, n - r0);
+      const int64_t q0 = ch.q0 + r0;  // the tile's first row of q and out
       // the tile's q rows of each head in bfloat16, zero-padded past n: float32 ones rounded here, where a torch
       // conversion had been a pass of its own over the chunk (1.6% of a q4_1 prompt run's `perf` samples)
       alignas(64) uint16_t qb[G][16 * D];
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t r = 0; r < 16; ++r) {
           uint16_t* dst = qb[g] + r * D;
-          const int64_t at = (r0 + r) * q_stride + (h * G + g) * D;
+          const int64_t at = (q0 + r) * q_stride + (h * G + g) * D;
           if (r >= rows) {
             std::memset(dst, 0, D * sizeof(uint16_t));
           } else if (q_f32) {
@@ -1001,13 +1061,39 @@ extern "C" void pagoda_paged_prefill_amx(const void* q_in, int64_t q_stride, int
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t r = 0; r < rows; ++r) {
           const float inv = 1.0f / l[g][r];
-          float* o = out + ((r0 + r) * HQ + h * G + g) * D;
+          float* o = out + ((q0 + r) * HQ + h * G + g) * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) o[d] = acc[g][r * D + d] * inv;
         }
       }
     }
   }
+}
+
+// As pagoda_paged_prefill, for a bfloat16, float16 or int8 cache: q (n, HQ, D), its token rows q_stride elements
+// apart, float32 (q_f32 1: rounded to bfloat16 here, to nearest even) or bfloat16 (0); work holds the packed K and V,
+// amx::packed_elems(seq_len) bfloat16 (_amx_work_elems); kscale and vscale an int8 cache's scales (else null).
+extern "C" void pagoda_paged_prefill_amx(const void* q_in, int64_t q_stride, int64_t q_f32, const elem_t* k,
+                                         const elem_t* v, const void* kscale, const void* vscale,
+                                         const int64_t* block_table, int64_t n, int64_t seq_len, float* out,
+                                         uint16_t* work, float qscale) {
+  amx::Chunk chunk{0, n, seq_len, block_table};
+  prefill_amx(q_in, q_stride, q_f32 != 0, k, v, static_cast<const _Float16*>(kscale),
+              static_cast<const _Float16*>(vscale), &chunk, 1, out, work, qscale);
+}
+
+// The same for a step's S prompt chunks in one call: chunk s has the counts[s] query rows from starts[s] of q and out
+// (the step's rows, q_stride elements apart in q), the context length seq_lens[s] and its block table at tables +
+// table_starts[s]; work holds the sum of each chunk's packed K and V, as pagoda_paged_prefill_amx's.
+extern "C" void pagoda_paged_prefill_amx_chunks(const void* q_in, int64_t q_stride, int64_t q_f32, const elem_t* k,
+                                                const elem_t* v, const void* kscale, const void* vscale,
+                                                const int64_t* tables, const int64_t* table_starts,
+                                                const int64_t* starts, const int64_t* counts, const int64_t* seq_lens,
+                                                int64_t S, float* out, uint16_t* work, float qscale) {
+  std::vector<amx::Chunk> chunks(S);
+  for (int64_t s = 0; s < S; ++s) chunks[s] = amx::Chunk{starts[s], counts[s], seq_lens[s], tables + table_starts[s]};
+  prefill_amx(q_in, q_stride, q_f32 != 0, k, v, static_cast<const _Float16*>(kscale),
+              static_cast<const _Float16*>(vscale), chunks.data(), S, out, work, qscale);
 }
 #endif
 
