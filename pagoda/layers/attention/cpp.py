@@ -417,8 +417,9 @@ class CppAttentionBackend(KernelBackend):
     def prefill_chunks(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> None:
         # Chunks for the AMX tiles with a float32 output: all of the step's in one call (paged_prefill_amx_chunks),
-        # where a call per chunk cost ~50 us of Python each (a 2,048-token prompt step of the default model has ~7
-        # chunks in each of 30 layers) and left each call's last tiles to one thread
+        # where a call per chunk cost ~30-50 us of Python each (a 2,048-token prompt step of the default model has ~7
+        # chunks in each of its 30 layers) and left each call's last tiles to one thread: 1.015x on 128 q4_1 prompts
+        # (BENCHMARKS.md, "Each thread its own rows")
         if (meta.prefill_idx and self._amx_prompts(q, kv_cache) and out.dtype == torch.float32
                 and out.is_contiguous()):
             paged_prefill_amx_chunks(q, kv_cache, meta.prompt_chunks(), scale, out)
