@@ -35,8 +35,8 @@ class DecodeGroup:
 @dataclass
 class PromptChunks:
     """A step's prompt chunks as flat int64 tensors, for kernels that take them all in one call: chunk s has counts[s]
-    query rows from starts[s], context length seq_lens[s] (also as a list) and its block table at tables[
-    table_starts[s]:]."""
+    query rows from row starts[s], the context length seq_lens[s] (also as a list) and its block table from
+    tables[table_starts[s]]."""
     starts: torch.Tensor
     counts: torch.Tensor
     seq_lens: torch.Tensor

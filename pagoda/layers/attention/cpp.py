@@ -359,6 +359,8 @@ def paged_prefill_amx_chunks(q: torch.Tensor, kv_cache: PagedKVCache, chunks: Pr
         *scales, chunks.tables.data_ptr(), chunks.table_starts.data_ptr(), chunks.starts.data_ptr(),
         chunks.counts.data_ptr(), chunks.seq_lens.data_ptr(), len(chunks.seq_lens_list), out.data_ptr(),
         work.data_ptr(), scale)
+
+
 # Prompts take the AMX kernel where it is available and the prefill routing allows (CppAttentionBackend.prefill);
 # False sends them all to the other paths (in-engine comparisons and tests set it so)
 AMX_PREFILL = True
