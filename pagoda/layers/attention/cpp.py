@@ -38,8 +38,8 @@ _SCALES = {None: 0, "token": 1, "block": 2}
 # --num-seqs 1/2/3 --input-len 256:768 --attention-backend cpp --quantization q4_1`, BENCHMARKS.md); batches of
 # 8 or more sequences have one span each either way.
 _ITEMS_PER_THREAD = 2
-# 1: the kernel prefetches K and V one block ahead of its reads (0: not; cpp_kernel.cpp), for caches of
-# elements of at most PREFETCH_MAX_ELEMENT_BYTES. Issued in one burst at the start of a block,
+# 1: the kernel prefetches K one block ahead of its reads and V a step (64 tokens) ahead (0: not; cpp_kernel.cpp),
+# for caches of elements of at most PREFETCH_MAX_ELEMENT_BYTES. Issued in one burst at the start of a block,
 # the prefetches made 128-request decode steps 1.075x faster in bfloat16 and 1.035x with an int8 cache,
 # but float32 ones 1.02x slower; spread through the block's work, they make float32 steps 1.01-1.07x
 # faster too, and bfloat16 ones 1.15-1.19x (`python -m pagoda.bench.decode_step --versus no-prefetch`,

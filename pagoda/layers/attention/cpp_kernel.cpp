@@ -128,9 +128,9 @@ static inline vf load16(const elem_t* p, const float* table) {
 // hardware prefetcher, which follows addresses within a page, cannot fetch the next ones while these are
 // computed; and the loops, which load each line several times from L1 (a memory operand per multiply-add), keep
 // too few of their own misses in flight to hide L3's latency, let alone memory's. So each step of CB blocks
-// (below) prefetches its other blocks' K, the next step's first K and the next step's V (a span's first step its
-// own V first): K one block ahead of the reads, whatever the span's length, and V a step ahead. A step's V is read
-// after all its K and the softmax, in a pass per KV head that takes 128 of each token's 384 bytes (the default
+// (below) prefetches, in this order, its other blocks' K, (a span's first step) its own V, the next step's V and the
+// next step's first K: K one block ahead of the reads, whatever the span's length, and V a step ahead. A step's V is
+// read after all its K and the softmax, in a pass per KV head that takes 128 of each token's 384 bytes (the default
 // model's), and one block ahead its lines had not come by then: on the Xeon, 128 sequences' decode attention over
 // 30 layers' float16 caches (4 KiB pages) with V a step ahead 1.06-1.07x as fast as with V a block ahead, float32
 // 1.05x, bfloat16 1.035x, one sequence 0.95-1.03x; timed alone, V's loop a step ahead 1.20x, K's 0.98x (ad hoc,
