@@ -61,6 +61,20 @@ def test_cpp_backend_matches_reference(dtype: torch.dtype, tol: float, storage: 
         torch.testing.assert_close(o, r, atol=tol, rtol=tol)
 
 
+def _fill_cache(cache: PagedKVCache, g: torch.Generator) -> None:
+    """Random contents for a test cache: codes in [-127, 127] and scales up to 1/64 for an int8 one, normal values
+    otherwise (rounded to the cache's dtype)."""
+    if cache.k.dtype == torch.int8:
+        cache.k.copy_(torch.randint(-127, 128, cache.k.shape, generator=g))
+        cache.v.copy_(torch.randint(-127, 128, cache.v.shape, generator=g))
+        assert cache.k_scale is not None and cache.v_scale is not None
+        cache.k_scale.copy_(torch.rand(cache.k_scale.shape, generator=g) / 64)
+        cache.v_scale.copy_(torch.rand(cache.v_scale.shape, generator=g) / 64)
+    else:
+        cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+
+
 def _int8_dot(spec: KVCacheSpec) -> bool:
     """Whether the kernel for run_steps' head shapes takes int8 attention by integer dot products; it must exactly
     where the CPU has AVX-512 VNNI and VBMI (the Zen 4 and Xeon machines; not the AVX2 ones)."""
@@ -541,15 +555,7 @@ def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: 
     spec = KVCacheSpec(storage, "token") if storage == torch.int8 else KVCacheSpec(storage)
     g = torch.Generator().manual_seed(hkv * group + d)
     cache = make_cache(spec, num_blocks=96, block_size=block_size, hkv=hkv, d=d)
-    if storage == torch.int8:
-        cache.k.copy_(torch.randint(-127, 128, cache.k.shape, generator=g))
-        cache.v.copy_(torch.randint(-127, 128, cache.v.shape, generator=g))
-        assert cache.k_scale is not None and cache.v_scale is not None
-        cache.k_scale.copy_(torch.rand(cache.k_scale.shape, generator=g) / 64)
-        cache.v_scale.copy_(torch.rand(cache.v_scale.shape, generator=g) / 64)
-    else:
-        cache.k.copy_(torch.randn(cache.k.shape, generator=g))
-        cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    _fill_cache(cache, g)
     table = torch.randperm(96, generator=g)[: -(-300 // block_size)]
     int8_dot = storage == torch.int8 and _int8_dot(spec)
     if amx:  # built for head_dim in 32s, on CPUs with AMX (this project's have it)
@@ -588,15 +594,7 @@ def test_amx_prompt_chunks_in_one_call_give_each_chunks_bits(storage: torch.dtyp
     if not amx_prefill_available(cache, hkv * group):
         pytest.skip("no AMX tiles here (CPU, compiler target or OS)")
     g = torch.Generator().manual_seed(5)
-    if storage == torch.int8:
-        cache.k.copy_(torch.randint(-127, 128, cache.k.shape, generator=g))
-        cache.v.copy_(torch.randint(-127, 128, cache.v.shape, generator=g))
-        assert cache.k_scale is not None and cache.v_scale is not None
-        cache.k_scale.copy_(torch.rand(cache.k_scale.shape, generator=g) / 64)
-        cache.v_scale.copy_(torch.rand(cache.v_scale.shape, generator=g) / 64)
-    else:
-        cache.k.copy_(torch.randn(cache.k.shape, generator=g))
-        cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    _fill_cache(cache, g)
     # (start position, new tokens): decodes (1 token) between the chunks
     shape = [(0, 300), (40, 1), (0, 37), (250, 2), (128, 129), (70, 1), (16, 17), (0, 64)]
     blocks = torch.randperm(160, generator=g).tolist()
