@@ -103,8 +103,9 @@ class LLMEngine:
         if should_prepack(self.model, mc.torch_dtype, mc.prepack_weights, mc.compile_model):
             added, rows = prepack_linears(self.model)
             if rows is not None:
-                logger.info("prepacked linear weights for %d-%d-token steps: %.1f MiB more", rows.start,
-                            rows.stop - 1, added / 2**20)
+                upto = f"-{rows.stop - 1}" if rows.stop < 1 << 31 else " or more"
+                logger.info("prepacked linear weights for steps of %d%s tokens: %.1f MiB more", rows.start, upto,
+                            added / 2**20)
             else:
                 logger.warning("prepack_weights: nothing packed (it applies to float32 weights, and to bfloat16 "
                                "ones where oneDNN supports bfloat16 on this CPU); dtype is %s", mc.torch_dtype)

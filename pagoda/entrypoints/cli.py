@@ -48,7 +48,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "sampler's plain rows and bfloat16 linears of 1-4-row steps as torch / oneDNN ops instead "
                         "of our C++ loops (compiled at start-up)")
     g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep a oneDNN-packed copy of each linear weight and use it for steps of 3-512 tokens "
+                   help="keep a oneDNN-packed copy of each linear weight and use it for steps of 3 or more tokens "
                         "(float32) or 1-1024 tokens (bfloat16): 1.1-1.7x faster matmuls there; twice the weight "
                         "memory. Default: on for float32 and bfloat16 models whose copy takes at most 1 GiB (float32 "
                         "decode steps 1.1x, bfloat16 runs 1.2-1.3x end to end), off otherwise")

@@ -8,7 +8,7 @@ the weight. oneDNN on the same weights reordered once into its blocked layout do
   - bfloat16: 1.08-1.73x at 1-1,024 rows, but 0.61x at 2,048 (a full prompt-chunk step).
 
 So each packed layer keeps both copies and picks by the number of rows: the packed weight for
-PACKED_ROWS[dtype], the plain one otherwise (one float32 stream, large prompt chunks). The cost is a
+PACKED_ROWS[dtype], the plain one otherwise (one float32 stream, large bfloat16 prompt chunks). The cost is a
 second copy of every linear weight (the tied lm_head included). Results differ from F.linear by float
 rounding only. Not combined with --compile-model, whose graph would have to branch on the token count.
 The figures above compare with F.linear; a float32 layer's plain weight now goes to oneDNN too (ONEDNN_FLOAT32,
@@ -42,10 +42,13 @@ from pagoda.layers.q4_linear import is_quantized
 logger = logging.getLogger(__name__)
 
 # rows (tokens in the step) that use the packed weight, per weight dtype; measured, see above
-# float32 to 512: on the AVX2 machine the packed weight was as fast as the plain one at 128 rows; on the Zen 4
-# machine (AVX-512) it was 1.16-1.17x faster at 128 rows and 1.04-1.13x at 192-512 (`bench.linear_stream --rows
-# 128,192,256,384,512`, two runs, BENCHMARKS.md): a 128-request decode step is 128 rows.
-PACKED_ROWS: dict[torch.dtype, range] = {torch.float32: range(3, 513), torch.bfloat16: range(1, 1025)}
+# float32 from 3 rows up: on the AVX2 machine the packed weight was as fast as the plain one at 128 rows; on the Zen
+# 4 machine (AVX-512) it was 1.16-1.17x faster at 128 rows and 1.04-1.13x at 192-512 (`bench.linear_stream --rows
+# 128,192,256,384,512`, two runs, BENCHMARKS.md): a 128-request decode step is 128 rows. Prompt steps of 2,048 rows
+# were left on the plain weight (linear_stream's 1.06x there was mostly its lm_head at 2,048 rows, which the engine
+# never runs), until the decoder's linears alone ran 1.045x faster packed at 2,048 rows (ad hoc, alternated) and
+# float32 prompts 1.035x end to end, the 128-request workload 1.045x (Zen 4, `bench.alternate`, BENCHMARKS.md).
+PACKED_ROWS: dict[torch.dtype, range] = {torch.float32: range(3, 1 << 62), torch.bfloat16: range(1, 1025)}
 
 
 # Rows (tokens in the step) that bfloat16 and float32 linears give to the C++ GEMV (gemv.cpp) once enable_gemv
