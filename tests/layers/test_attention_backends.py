@@ -621,6 +621,47 @@ def test_amx_prompt_chunks_in_one_call_give_each_chunks_bits(storage: torch.dtyp
         paged_prefill_amx_chunks(q, cache, meta.prompt_chunks(), d**-0.5, out.bfloat16())
 
 
+@pytest.mark.parametrize("storage", [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+def test_loop_prompt_chunks_in_one_call_give_each_chunks_bits(storage: torch.dtype) -> None:
+    """paged_prefill_chunks: a step's prompt chunks (fresh and continued, of one query to many tiles, with decode
+    rows between them) in one call of the loop kernel, bit for bit each chunk's own paged_prefill call, written to
+    their rows of out and nothing else; the queries read in place from a q/k/v projection's rows."""
+    from pagoda.layers.attention.backend import build_attention_metadata
+    from pagoda.layers.attention.cpp import paged_prefill, paged_prefill_chunks
+    from tests.layers.test_kv_quant import make_cache
+
+    hkv, group, d, bs = 3, 3, 64, 16
+    spec = KVCacheSpec(storage, "token") if storage in (torch.int8, torch.float8_e4m3fn) else KVCacheSpec(storage)
+    cache = make_cache(spec, num_blocks=160, block_size=bs, hkv=hkv, d=d)
+    g = torch.Generator().manual_seed(6)
+    _fill_cache(cache, g)
+    shape = [(0, 300), (40, 1), (0, 37), (250, 2), (128, 129), (70, 1), (16, 17), (0, 64), (3, 1)]
+    blocks = torch.randperm(160, generator=g).tolist()
+    seqs = []
+    for start, n in shape:
+        need = -(-(start + n) // bs)
+        seqs.append((blocks[:need], start, n))
+        blocks = blocks[need:]
+    meta = build_attention_metadata(seqs, bs)
+    t = meta.query_start_loc[-1]
+    qkv = torch.randn(t, (group + 2) * hkv * d, generator=g)
+    q = qkv[:, :group * hkv * d].view(t, hkv * group, d)
+    out = torch.full((t, hkv * group, d), 7.0)
+    paged_prefill_chunks(q, cache, meta.prompt_chunks(), d**-0.5, out)
+    assert meta.prefill_idx == [0, 2, 3, 4, 6, 7]
+    for i in range(len(shape)):
+        lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        if i in meta.prefill_idx:
+            want = paged_prefill(q[lo:hi], cache, meta.block_tables[i], meta.seq_lens[i], d**-0.5)
+            assert torch.equal(out[lo:hi], want), i
+        else:
+            assert bool((out[lo:hi] == 7.0).all()), i
+    with pytest.raises(ValueError, match="contiguous float32"):
+        paged_prefill_chunks(q, cache, meta.prompt_chunks(), d**-0.5, out.bfloat16())
+    with pytest.raises(ValueError, match="q must be float32"):
+        paged_prefill_chunks(q.bfloat16(), cache, meta.prompt_chunks(), d**-0.5, out)
+
+
 @pytest.mark.parametrize(("n", "seq_len", "kernel"), [
     (512, 512, True), (1024, 1024, True), (128, 1024, True), (1025, 1025, False), (2048, 2048, False),
     (2048, 4096, False), (17, 2048, False), (16, 2048, True), (1, 5000, True)])
@@ -715,7 +756,7 @@ def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, bf16
     16-bit cache, any dtype over an int8 cache and, under bf16_prompts, over a 16-bit one all to the AMX kernel
     (where the CPU has it; float32 ones a step's chunks in one call); float32 otherwise all to the loop; the rest
     all to the loop where SDPA has no AMX, and where it has, the continued ones to the loop and the fresh ones to
-    SDPA."""
+    SDPA. Float32 chunks for the loop go a step's in one call (paged_prefill_chunks)."""
     import pagoda.layers.attention.cpp as cpp
 
     monkeypatch.setattr(cpp, "SDPA_ON_AMX", sdpa_on_amx)
@@ -724,11 +765,11 @@ def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, bf16
         kernel = getattr(cpp, name)
         monkeypatch.setattr(cpp, name, lambda q, cache, table, seq_len, scale, name=name, kernel=kernel, **kw: (
             calls.append((name, q.shape[0], seq_len)) or kernel(q, cache, table, seq_len, scale, **kw)))
-    batched = cpp.paged_prefill_amx_chunks
-    monkeypatch.setattr(cpp, "paged_prefill_amx_chunks", lambda q, cache, chunks, scale, out: (
-        calls.extend(("paged_prefill_amx_chunks", int(n), s)
-                     for n, s in zip(chunks.counts, chunks.seq_lens_list, strict=True))
-        or batched(q, cache, chunks, scale, out)))
+    for name in ("paged_prefill_amx_chunks", "paged_prefill_chunks"):
+        batched = getattr(cpp, name)
+        monkeypatch.setattr(cpp, name, lambda q, cache, chunks, scale, out, name=name, batched=batched: (
+            calls.extend((name, int(n), s) for n, s in zip(chunks.counts, chunks.seq_lens_list, strict=True))
+            or batched(q, cache, chunks, scale, out)))
     sdpa_prefill = SDPAAttentionBackend.prefill
     monkeypatch.setattr(SDPAAttentionBackend, "prefill", lambda self, q, k, v, cache, table, seq_len, scale: (
         calls.append(("sdpa", q.shape[0], seq_len)) or sdpa_prefill(self, q, k, v, cache, table, seq_len, scale)))
@@ -740,8 +781,8 @@ def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, bf16
     if amx and (storage == "int8" or dtype == torch.bfloat16 or bf16_prompts):
         # a step's chunks in one call where the step's output is float32 (paged_prefill_amx_chunks)
         want = [("paged_prefill_amx_chunks" if dtype == torch.float32 else "paged_prefill_amx", *c) for c in chunks]
-    elif dtype == torch.float32:
-        want = [("paged_prefill", *c) for c in chunks]
+    elif dtype == torch.float32:  # a step's chunks in one call of the loop kernel
+        want = [("paged_prefill_chunks", *c) for c in chunks]
     elif not sdpa_on_amx:
         want = [("paged_prefill", *c) for c in chunks]
     else:

@@ -67,6 +67,8 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
     signatures = {"pagoda_paged_decode_rows": [ptr, i64] + [ptr] * 9 + [i64] * 3 + [f32],
                   "pagoda_paged_prefill": [ptr] * 7 + [i64] * 2 + [ptr, f32],
                   "pagoda_write_kv_rows": [ptr] * 6 + [i64, ptr, i64]}
+    if hasattr(lib, "pagoda_paged_prefill_chunks"):  # a revision before it (--versus-rev) lacks it
+        signatures["pagoda_paged_prefill_chunks"] = [ptr, i64] + [ptr] * 10 + [i64, ptr, f32]
     if hasattr(lib, "pagoda_write_kv_f32"):  # bfloat16 and float16 caches, int8 ones with a scale per token
         signatures["pagoda_write_kv_f32"] = [ptr] * 6 + [i64, ptr, i64]
     if rev is not None and hasattr(lib, "pagoda_paged_decode"):  # revisions before pagoda_paged_decode_rows
@@ -268,6 +270,25 @@ def paged_prefill(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Te
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
+def paged_prefill_chunks(q: torch.Tensor, kv_cache: PagedKVCache, chunks: PromptChunks, scale: float,
+                         out: torch.Tensor) -> None:
+    """paged_prefill for all of a step's prompt chunks in one kernel call (one parallel region, the tiles of all the
+    chunks balanced between the threads, the longest first; the same bits as a call per chunk): q (T, Hq, D) float32
+    the step's queries (rows of any stride, read in place: a view into the q/k/v projection's rows), out (T, Hq, D)
+    float32 contiguous the step's output, whose chunks' rows it writes."""
+    n, hq, d = q.shape
+    if q.dtype != torch.float32 or q.stride()[1:] != (d, 1):
+        raise ValueError(f"q must be float32 rows of contiguous heads, got {q.dtype} with strides {q.stride()}")
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.shape != q.shape:
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(q.shape)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    lib = _library_for(kv_cache, hq)
+    table = _fp8_table() if kv_cache.k.dtype == torch.float8_e4m3fn else None
+    lib.pagoda_paged_prefill_chunks(q.data_ptr(), q.stride(0), *(None if t is None else t.data_ptr() for t in (
+        kv_cache.k, kv_cache.v, kv_cache.k_scale, kv_cache.v_scale, table, chunks.tables, chunks.table_starts,
+        chunks.starts, chunks.counts, chunks.seq_lens)), len(chunks.seq_lens_list), out.data_ptr(), scale)
+
+
 def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """The prompt kernels' float32 output (n, Hq, D): out where given (checked), else a new tensor."""
     if out is None:
@@ -425,6 +446,16 @@ class CppAttentionBackend(KernelBackend):
         if (meta.prefill_idx and self._amx_prompts(q, kv_cache) and out.dtype == torch.float32
                 and out.is_contiguous()):
             paged_prefill_amx_chunks(q, kv_cache, meta.prompt_chunks(), scale, out)
+            return
+        # Float32 chunks for the loop kernel likewise (paged_prefill_chunks), the queries read in place: a call per
+        # chunk also copied its queries out of the q/k/v rows (~40 us each); 128 q4_1 prompts 0.99x and 1.02x in two
+        # A/Bs (noise), their attention 3.79 -> 3.07 s under cProfile (Zen 4, BENCHMARKS.md, "Float32 prompt steps")
+        if (meta.prefill_idx and q.dtype == out.dtype == torch.float32 and out.is_contiguous()
+                and q.stride()[1:] == (q.shape[2], 1) and not self.fallback and supports(kv_cache, q.dtype)
+                and not self._amx_prompts(q, kv_cache)
+                and all(prefill_in_kernel(q.dtype, meta.query_start_loc[i + 1] - meta.query_start_loc[i],
+                                          meta.seq_lens[i], kv_cache.k.dtype) for i in meta.prefill_idx)):
+            paged_prefill_chunks(q, kv_cache, meta.prompt_chunks(), scale, out)
             return
         super().prefill_chunks(out, q, k, v, kv_cache, meta, scale)
 

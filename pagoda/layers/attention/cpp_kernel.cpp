@@ -23,6 +23,8 @@
 // BENCHMARKS.md ("The C++ decode kernel"). Prompt chunks run the same loop (attend_span) with a few query
 // rows per work item sharing each load (pagoda_paged_prefill).
 
+#include <vector>
+
 constexpr int64_t HKV = PAGODA_HKV, G = PAGODA_G, HQ = HKV * G, D = PAGODA_D, BS = PAGODA_BS;
 
 static_assert(BS % L == 0 && D % L == 0, "the kernel takes block_size and head_dim in multiples of 16");
@@ -671,36 +673,76 @@ constexpr int64_t PREFILL_ROWS = std::max<int64_t>(
 
 // Causal attention for n consecutive queries of one sequence (a prompt or a chunk of one), the last at
 // position seq_len - 1, over its context in the paged cache (this chunk's K and V already written there):
-// query i sees the first seq_len - n + i + 1 tokens. q (n, HQ, D) float32; block_table (>= ceil(seq_len /
-// BS),) int64; out (n, HQ, D) float32; qscale = softmax scale. Work items are tiles of PREFILL_ROWS rows,
-// the longest first (the dynamic schedule then balances the short ones).
+// query i sees the first seq_len - n + i + 1 tokens. One work item: the tile of PREFILL_ROWS rows from r0. q's row i
+// at q_in + i * q_stride (float32); block_table (>= ceil(seq_len / BS),) int64; out (n, HQ, D) float32; qscale =
+// softmax scale.
+static void prefill_tile(const float* q_in, int64_t q_stride, const elem_t* k, const elem_t* v, const uint16_t* ks,
+                         const uint16_t* vs, const float* table, const int64_t* block_table, int64_t n,
+                         int64_t seq_len, int64_t r0, float* out, float qscale) {
+  constexpr int64_t R = PREFILL_ROWS;
+  const float log2e = 1.4426950408889634f;
+  const int64_t rows = std::min(R, n - r0);  // the last tile's rows past n repeat its last row, unwritten
+  alignas(64) float q[R * HQ * D];
+  int64_t lens[R];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t row = r0 + std::min(r, rows - 1);
+    lens[r] = seq_len - n + row + 1;
+    for (int64_t i = 0; i < HQ * D; ++i) q[r * HQ * D + i] = q_in[row * q_stride + i] * (qscale * log2e);
+  }
+  float m[R * HQ], l[R * HQ];
+  alignas(64) float acc[R * HQ * D];
+  const int64_t blocks = (lens[rows - 1] + BS - 1) / BS;
+  attend_span<R>(q, k, v, ks, vs, table, block_table, 0, blocks, lens, m, l, acc);
+  for (int64_t rh = 0; rh < rows * HQ; ++rh) {
+    const float inv = 1.0f / l[rh];
+    float* o = out + r0 * HQ * D + rh * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[rh * D + d] * inv;
+  }
+}
+
+// One chunk's tiles (prefill_tile), the longest first (the dynamic schedule then balances the short ones); q
+// (n, HQ, D) contiguous.
 extern "C" void pagoda_paged_prefill(const float* q_in, const elem_t* k, const elem_t* v, const uint16_t* ks,
                                      const uint16_t* vs, const float* table, const int64_t* block_table, int64_t n,
                                      int64_t seq_len, float* out, float qscale) {
   constexpr int64_t R = PREFILL_ROWS;
   const int64_t tiles = (n + R - 1) / R;
-  const float log2e = 1.4426950408889634f;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t it = 0; it < tiles; ++it) {
-    const int64_t r0 = (tiles - 1 - it) * R;
-    const int64_t rows = std::min(R, n - r0);  // the last tile's rows past n repeat its last row, unwritten
-    alignas(64) float q[R * HQ * D];
-    int64_t lens[R];
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t row = r0 + std::min(r, rows - 1);
-      lens[r] = seq_len - n + row + 1;
-      for (int64_t i = 0; i < HQ * D; ++i) q[r * HQ * D + i] = q_in[row * HQ * D + i] * (qscale * log2e);
+    prefill_tile(q_in, HQ * D, k, v, ks, vs, table, block_table, n, seq_len, (tiles - 1 - it) * R, out, qscale);
+  }
+}
+
+// A step's S prompt chunks in one parallel region, each chunk's tiles exactly as pagoda_paged_prefill runs them
+// (the same bits): chunk s has the counts[s] query rows from starts[s] of q and out (the step's rows; q's q_stride
+// elements apart, a view into the q/k/v projection's rows, read in place), the context length seq_lens[s] and its
+// block table at tables + table_starts[s]. The tiles of all chunks go longest context first, so that no call's last
+// tiles are left to one thread and no Python runs between chunks (the same arguments as
+// pagoda_paged_prefill_amx_chunks).
+extern "C" void pagoda_paged_prefill_chunks(const float* q_in, int64_t q_stride, const elem_t* k, const elem_t* v,
+                                            const uint16_t* ks, const uint16_t* vs, const float* table,
+                                            const int64_t* tables, const int64_t* table_starts, const int64_t* starts,
+                                            const int64_t* counts, const int64_t* seq_lens, int64_t S, float* out,
+                                            float qscale) {
+  constexpr int64_t R = PREFILL_ROWS;
+  struct Tile {
+    int64_t work, s, r0;  // work: the context length of the tile's last row
+  };
+  std::vector<Tile> items;
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t r0 = 0; r0 < counts[s]; r0 += R) {
+      items.push_back(Tile{seq_lens[s] - counts[s] + std::min(r0 + R, counts[s]), s, r0});
     }
-    float m[R * HQ], l[R * HQ];
-    alignas(64) float acc[R * HQ * D];
-    const int64_t blocks = (lens[rows - 1] + BS - 1) / BS;
-    attend_span<R>(q, k, v, ks, vs, table, block_table, 0, blocks, lens, m, l, acc);
-    for (int64_t rh = 0; rh < rows * HQ; ++rh) {
-      const float inv = 1.0f / l[rh];
-      float* o = out + r0 * HQ * D + rh * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[rh * D + d] * inv;
-    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Tile& a, const Tile& b) { return a.work > b.work; });
+  const int64_t num = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < num; ++i) {
+    const Tile& t = items[i];
+    const int64_t s = t.s;
+    prefill_tile(q_in + starts[s] * q_stride, q_stride, k, v, ks, vs, table, tables + table_starts[s], counts[s],
+                 seq_lens[s], t.r0, out + starts[s] * HQ * D, qscale);
   }
 }
 
@@ -726,8 +768,6 @@ extern "C" void pagoda_paged_prefill(const float* q_in, const elem_t* k, const e
 // at 512 tokens, 1.7x at 128.
 // Tiles 0-3: scores, then 64 columns of out; 4 and 6: q's halves of 32 columns, then the weights (A operands);
 // 5 and 7: K or V (B), alternated. All are 16 rows of 64 bytes (AmxTiles, cpp_vector.h).
-#include <vector>
-
 namespace amx {
 constexpr int64_t KC = 64;  // keys per step
 
