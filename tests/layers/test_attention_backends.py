@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagoda.layers.attention.backend import AttentionMetadata, PagedAttentionBackend
+from pagoda.layers.attention.backend import AttentionMetadata, PagedAttentionBackend, build_attention_metadata
 from pagoda.layers.attention.compiled import CompiledAttentionBackend, paged_decode_attention
 from pagoda.layers.attention.cpp import CppAttentionBackend, paged_decode, prepared_decode, supports
 from pagoda.layers.attention.paged_kv import PagedKVCache
@@ -578,13 +578,29 @@ def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: 
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+def _mixed_step(shape: list[tuple[int, int]], num_blocks: int, bs: int, hkv: int, group: int, d: int,
+                g: torch.Generator) -> tuple[AttentionMetadata, torch.Tensor]:
+    """A step of sequences given as (start position, new tokens), each on its own random blocks out of num_blocks:
+    its metadata, and random queries (T, hkv * group, d) as the engine hands them over, a view into wider q/k/v
+    rows."""
+    blocks = torch.randperm(num_blocks, generator=g).tolist()
+    seqs = []
+    for start, n in shape:
+        need = -(-(start + n) // bs)
+        seqs.append((blocks[:need], start, n))
+        blocks = blocks[need:]
+    meta = build_attention_metadata(seqs, bs)
+    t = meta.query_start_loc[-1]
+    qkv = torch.randn(t, (group + 2) * hkv * d, generator=g)
+    return meta, qkv[:, :group * hkv * d].view(t, hkv * group, d)
+
+
 @pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16, torch.int8])
 def test_amx_prompt_chunks_in_one_call_give_each_chunks_bits(storage: torch.dtype) -> None:
     """paged_prefill_amx_chunks: a step's prompt chunks (fresh and continued, of one query to several tiles and key
     steps, rows of the step in any order and with decode rows between them) in one kernel call, bit for bit each
     chunk's own paged_prefill_amx call, written to their rows of out and nothing else; float32 queries read in place
     from a q/k/v projection's rows, as the engine passes them."""
-    from pagoda.layers.attention.backend import build_attention_metadata
     from pagoda.layers.attention.cpp import amx_prefill_available, paged_prefill_amx, paged_prefill_amx_chunks
     from tests.layers.test_kv_quant import make_cache
 
@@ -597,17 +613,8 @@ def test_amx_prompt_chunks_in_one_call_give_each_chunks_bits(storage: torch.dtyp
     _fill_cache(cache, g)
     # (start position, new tokens): decodes (1 token) between the chunks
     shape = [(0, 300), (40, 1), (0, 37), (250, 2), (128, 129), (70, 1), (16, 17), (0, 64)]
-    blocks = torch.randperm(160, generator=g).tolist()
-    seqs = []
-    for start, n in shape:
-        need = -(-(start + n) // bs)
-        seqs.append((blocks[:need], start, n))
-        blocks = blocks[need:]
-    meta = build_attention_metadata(seqs, bs)
-    t = meta.query_start_loc[-1]
-    qkv = torch.randn(t, (group + 2) * hkv * d, generator=g)  # q's rows a view into wider rows
-    q = qkv[:, :group * hkv * d].view(t, hkv * group, d)
-    out = torch.full((t, hkv * group, d), 7.0)
+    meta, q = _mixed_step(shape, 160, bs, hkv, group, d, g)
+    out = torch.full(q.shape, 7.0)
     paged_prefill_amx_chunks(q, cache, meta.prompt_chunks(), d**-0.5, out)
     assert meta.prefill_idx == [0, 2, 3, 4, 6, 7]
     for i in range(len(shape)):
@@ -626,7 +633,6 @@ def test_loop_prompt_chunks_in_one_call_give_each_chunks_bits(storage: torch.dty
     """paged_prefill_chunks: a step's prompt chunks (fresh and continued, of one query to many tiles, with decode
     rows between them) in one call of the loop kernel, bit for bit each chunk's own paged_prefill call, written to
     their rows of out and nothing else; the queries read in place from a q/k/v projection's rows."""
-    from pagoda.layers.attention.backend import build_attention_metadata
     from pagoda.layers.attention.cpp import paged_prefill, paged_prefill_chunks
     from tests.layers.test_kv_quant import make_cache
 
@@ -636,17 +642,8 @@ def test_loop_prompt_chunks_in_one_call_give_each_chunks_bits(storage: torch.dty
     g = torch.Generator().manual_seed(6)
     _fill_cache(cache, g)
     shape = [(0, 300), (40, 1), (0, 37), (250, 2), (128, 129), (70, 1), (16, 17), (0, 64), (3, 1)]
-    blocks = torch.randperm(160, generator=g).tolist()
-    seqs = []
-    for start, n in shape:
-        need = -(-(start + n) // bs)
-        seqs.append((blocks[:need], start, n))
-        blocks = blocks[need:]
-    meta = build_attention_metadata(seqs, bs)
-    t = meta.query_start_loc[-1]
-    qkv = torch.randn(t, (group + 2) * hkv * d, generator=g)
-    q = qkv[:, :group * hkv * d].view(t, hkv * group, d)
-    out = torch.full((t, hkv * group, d), 7.0)
+    meta, q = _mixed_step(shape, 160, bs, hkv, group, d, g)
+    out = torch.full(q.shape, 7.0)
     paged_prefill_chunks(q, cache, meta.prompt_chunks(), d**-0.5, out)
     assert meta.prefill_idx == [0, 2, 3, 4, 6, 7]
     for i in range(len(shape)):
