@@ -4,6 +4,7 @@ decode groups), for caches in the model's dtype, in bfloat16 / float16 and quant
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -62,17 +63,17 @@ def test_cpp_backend_matches_reference(dtype: torch.dtype, tol: float, storage: 
 
 
 def _fill_cache(cache: PagedKVCache, g: torch.Generator) -> None:
-    """Random contents for a test cache: codes in [-127, 127] and scales up to 1/64 for an int8 one, normal values
-    otherwise (rounded to the cache's dtype)."""
+    """Random contents for a test cache: codes in [-127, 127] for an int8 one, normal values otherwise (rounded to
+    the cache's dtype), and scales up to 1/64 where it has them (int8, fp8)."""
     if cache.k.dtype == torch.int8:
         cache.k.copy_(torch.randint(-127, 128, cache.k.shape, generator=g))
         cache.v.copy_(torch.randint(-127, 128, cache.v.shape, generator=g))
-        assert cache.k_scale is not None and cache.v_scale is not None
-        cache.k_scale.copy_(torch.rand(cache.k_scale.shape, generator=g) / 64)
-        cache.v_scale.copy_(torch.rand(cache.v_scale.shape, generator=g) / 64)
     else:
         cache.k.copy_(torch.randn(cache.k.shape, generator=g))
         cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    if cache.k_scale is not None and cache.v_scale is not None:
+        cache.k_scale.copy_(torch.rand(cache.k_scale.shape, generator=g) / 64)
+        cache.v_scale.copy_(torch.rand(cache.v_scale.shape, generator=g) / 64)
 
 
 def _int8_dot(spec: KVCacheSpec) -> bool:
@@ -595,68 +596,60 @@ def _mixed_step(shape: list[tuple[int, int]], num_blocks: int, bs: int, hkv: int
     return meta, qkv[:, :group * hkv * d].view(t, hkv * group, d)
 
 
-@pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16, torch.int8])
-def test_amx_prompt_chunks_in_one_call_give_each_chunks_bits(storage: torch.dtype) -> None:
-    """paged_prefill_amx_chunks: a step's prompt chunks (fresh and continued, of one query to several tiles and key
-    steps, rows of the step in any order and with decode rows between them) in one kernel call, bit for bit each
-    chunk's own paged_prefill_amx call, written to their rows of out and nothing else; float32 queries read in place
-    from a q/k/v projection's rows, as the engine passes them."""
-    from pagoda.layers.attention.cpp import amx_prefill_available, paged_prefill_amx, paged_prefill_amx_chunks
-    from tests.layers.test_kv_quant import make_cache
-
-    hkv, group, d, bs = 3, 3, 64, 16
-    spec = KVCacheSpec(storage, "token") if storage == torch.int8 else KVCacheSpec(storage)
-    cache = make_cache(spec, num_blocks=160, block_size=bs, hkv=hkv, d=d)
-    if not amx_prefill_available(cache, hkv * group):
-        pytest.skip("no AMX tiles here (CPU, compiler target or OS)")
-    g = torch.Generator().manual_seed(5)
+def _one_call_gives_each_chunks_bits(cache: PagedKVCache, batched: Callable[..., None],
+                                     single: Callable[..., torch.Tensor],
+                                     seed: int) -> tuple[AttentionMetadata, torch.Tensor]:
+    """A step's prompt chunks (fresh and continued, of one query to several tiles and key steps, with decode rows
+    between and after them; the queries a view into wider q/k/v rows, as the engine passes them) through batched(q,
+    cache, chunks, scale, out) in one call: bit for bit single(q_rows, cache, table, seq_len, scale) per chunk, in
+    their rows of out and nothing else; a bfloat16 out refused. Returns the step's metadata and queries."""
+    hkv, d, bs = cache.k.shape[2], cache.k.shape[3], cache.k.shape[1]
+    g = torch.Generator().manual_seed(seed)
     _fill_cache(cache, g)
     # (start position, new tokens): decodes (1 token) between the chunks
-    shape = [(0, 300), (40, 1), (0, 37), (250, 2), (128, 129), (70, 1), (16, 17), (0, 64)]
-    meta, q = _mixed_step(shape, 160, bs, hkv, group, d, g)
+    shape = [(0, 300), (40, 1), (0, 37), (250, 2), (128, 129), (70, 1), (16, 17), (0, 64), (3, 1)]
+    meta, q = _mixed_step(shape, cache.k.shape[0], bs, hkv, 3, d, g)
     out = torch.full(q.shape, 7.0)
-    paged_prefill_amx_chunks(q, cache, meta.prompt_chunks(), d**-0.5, out)
+    batched(q, cache, meta.prompt_chunks(), d**-0.5, out)
     assert meta.prefill_idx == [0, 2, 3, 4, 6, 7]
     for i in range(len(shape)):
         lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         if i in meta.prefill_idx:
-            want = paged_prefill_amx(q[lo:hi], cache, meta.block_tables[i], meta.seq_lens[i], d**-0.5)
+            want = single(q[lo:hi], cache, meta.block_tables[i], meta.seq_lens[i], d**-0.5)
             assert torch.equal(out[lo:hi], want), i
         else:
             assert bool((out[lo:hi] == 7.0).all()), i  # a decode's row: not written
     with pytest.raises(ValueError, match="contiguous float32"):
-        paged_prefill_amx_chunks(q, cache, meta.prompt_chunks(), d**-0.5, out.bfloat16())
+        batched(q, cache, meta.prompt_chunks(), d**-0.5, out.bfloat16())
+    return meta, q
+
+
+@pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16, torch.int8])
+def test_amx_prompt_chunks_in_one_call_give_each_chunks_bits(storage: torch.dtype) -> None:
+    """paged_prefill_amx_chunks: a step's prompt chunks in one kernel call, bit for bit each chunk's own
+    paged_prefill_amx call (_one_call_gives_each_chunks_bits); float32 queries read in place."""
+    from pagoda.layers.attention.cpp import amx_prefill_available, paged_prefill_amx, paged_prefill_amx_chunks
+    from tests.layers.test_kv_quant import make_cache
+
+    spec = KVCacheSpec(storage, "token") if storage == torch.int8 else KVCacheSpec(storage)
+    cache = make_cache(spec, num_blocks=160, block_size=16, hkv=3, d=64)
+    if not amx_prefill_available(cache, 9):
+        pytest.skip("no AMX tiles here (CPU, compiler target or OS)")
+    _one_call_gives_each_chunks_bits(cache, paged_prefill_amx_chunks, paged_prefill_amx, seed=5)
 
 
 @pytest.mark.parametrize("storage", [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 def test_loop_prompt_chunks_in_one_call_give_each_chunks_bits(storage: torch.dtype) -> None:
-    """paged_prefill_chunks: a step's prompt chunks (fresh and continued, of one query to many tiles, with decode
-    rows between them) in one call of the loop kernel, bit for bit each chunk's own paged_prefill call, written to
-    their rows of out and nothing else; the queries read in place from a q/k/v projection's rows."""
+    """paged_prefill_chunks: a step's prompt chunks in one call of the loop kernel, bit for bit each chunk's own
+    paged_prefill call (_one_call_gives_each_chunks_bits); queries other than float32 refused."""
     from pagoda.layers.attention.cpp import paged_prefill, paged_prefill_chunks
     from tests.layers.test_kv_quant import make_cache
 
-    hkv, group, d, bs = 3, 3, 64, 16
     spec = KVCacheSpec(storage, "token") if storage in (torch.int8, torch.float8_e4m3fn) else KVCacheSpec(storage)
-    cache = make_cache(spec, num_blocks=160, block_size=bs, hkv=hkv, d=d)
-    g = torch.Generator().manual_seed(6)
-    _fill_cache(cache, g)
-    shape = [(0, 300), (40, 1), (0, 37), (250, 2), (128, 129), (70, 1), (16, 17), (0, 64), (3, 1)]
-    meta, q = _mixed_step(shape, 160, bs, hkv, group, d, g)
-    out = torch.full(q.shape, 7.0)
-    paged_prefill_chunks(q, cache, meta.prompt_chunks(), d**-0.5, out)
-    assert meta.prefill_idx == [0, 2, 3, 4, 6, 7]
-    for i in range(len(shape)):
-        lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        if i in meta.prefill_idx:
-            want = paged_prefill(q[lo:hi], cache, meta.block_tables[i], meta.seq_lens[i], d**-0.5)
-            assert torch.equal(out[lo:hi], want), i
-        else:
-            assert bool((out[lo:hi] == 7.0).all()), i
-    with pytest.raises(ValueError, match="contiguous float32"):
-        paged_prefill_chunks(q, cache, meta.prompt_chunks(), d**-0.5, out.bfloat16())
+    cache = make_cache(spec, num_blocks=160, block_size=16, hkv=3, d=64)
+    meta, q = _one_call_gives_each_chunks_bits(cache, paged_prefill_chunks, paged_prefill, seed=6)
     with pytest.raises(ValueError, match="q must be float32"):
-        paged_prefill_chunks(q.bfloat16(), cache, meta.prompt_chunks(), d**-0.5, out)
+        paged_prefill_chunks(q.bfloat16(), cache, meta.prompt_chunks(), 0.125, torch.empty(q.shape))
 
 
 @pytest.mark.parametrize(("n", "seq_len", "kernel"), [
