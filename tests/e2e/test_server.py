@@ -212,6 +212,9 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     (_CHAT, {"messages": _MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     (_CHAT, {"messages": _MSG, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     (_CHAT, {"messages": _MSG, "max_completion_tokens": -3}, 400, "max_tokens"),
+    (_C, {"prompt": "x", "best_of": 4}, 400, "best_of"),
+    (_CHAT, {"messages": _MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (_CHAT, {"messages": _MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/tokenize", {"prompt": "x", "messages": _MSG}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"), ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
 ]

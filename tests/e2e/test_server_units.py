@@ -4,6 +4,7 @@ fake engine whose requests never start), engine death, the 10 s stat line, and e
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
@@ -135,3 +136,51 @@ def test_parse_body_names_nested_fields() -> None:
     assert e.value.status == 400 and e.value.param == "messages[1].role"
     req = parse_body(CompletionRequest, b'{"prompt": [[1, 2], [3]], "n": 2, "unknown_field": 1}')
     assert req.prompts() == [[1, 2], [3]]
+
+
+_CHAT = {"messages": [{"role": "user", "content": "x"}]}
+_TEXT = {"prompt": "x"}
+
+
+def _parse(body: dict[str, Any]) -> Any:
+    from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
+
+    return parse_body(ChatCompletionRequest if "messages" in body else CompletionRequest, json.dumps(body).encode())
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (_TEXT | {"best_of": 3}, "best_of"), (_TEXT | {"n": 2, "best_of": 1}, "best_of"),
+    (_TEXT | {"guided_json": {"type": "object"}}, "guided_json"),
+    (_TEXT | {"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+    (_CHAT | {"response_format": {"type": "json_object"}}, "response_format"),
+    (_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (_CHAT | {"functions": [{"name": "f"}]}, "functions"), (_CHAT | {"tool_choice": "required"}, "tool_choice"),
+    (_CHAT | {"function_call": {"name": "f"}}, "function_call"),
+])
+def test_unsupported_fields_are_refused_not_dropped(body: dict[str, Any], param: str) -> None:
+    """A field this server does not implement, set to ask for more than the default, is a 400 naming it (code
+    "unsupported"): ignoring it would hand back something other than what was asked for."""
+    from pagoda.entrypoints.openai.protocol import APIError
+
+    with pytest.raises(APIError) as e:
+        _parse(body)
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, "unsupported")
+    assert param in e.value.message
+
+
+@pytest.mark.parametrize("body", [
+    _TEXT | {"best_of": 1}, _TEXT | {"n": 2, "best_of": 2}, _TEXT | {"best_of": None},
+    _CHAT | {"response_format": {"type": "text"}}, _CHAT | {"tools": []}, _CHAT | {"tool_choice": "none"},
+    _CHAT | {"tool_choice": "auto"}])
+def test_unsupported_fields_at_their_defaults_are_accepted(body: dict[str, Any]) -> None:
+    _parse(body)
+
+
+def test_non_text_content_parts_get_a_clear_error() -> None:
+    from pagoda.entrypoints.openai.protocol import APIError, ChatCompletionRequest
+
+    body = b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}'
+    with pytest.raises(APIError) as e:
+        parse_body(ChatCompletionRequest, body)
+    assert e.value.param == "messages[0].content"
+    assert "text parts" in e.value.message and "images" in e.value.message

@@ -27,6 +27,7 @@ MAX_ID_LEN = 128  # request ids (X-Request-Id, request_id), model names, user
 MAX_PROMPT_TOKEN_IDS = 1 << 20  # a token-id prompt longer than this can never fit a context anyway
 M = TypeVar("M", bound=BaseModel)
 _REQUEST_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_ID_LEN}}}")
+_CONTENT = re.compile(r"messages\[\d+\]\.content")
 
 
 class APIError(Exception):
@@ -102,6 +103,41 @@ class _SamplingRequest(_Strict):
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     request_id: str | None = None
+    # Known to OpenAI's API (or vLLM's) but not implemented here. Unknown fields are ignored, but these would
+    # change what the client gets back, so each is refused (check_supported) where it asks for more than the
+    # plain default, rather than dropped silently.
+    best_of: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    truncate_prompt_tokens: Any = None
+
+    def check_supported(self) -> None:
+        """Refuse (400, code "unsupported") a request that asks for something this server does not do."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of is not supported: leave it out or set it to n ({self.n}), got "
+                              f"{self.best_of!r}", "best_of", code="unsupported")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise bad_request('response_format is not supported: only {"type": "text"} (the default)',
+                              "response_format", code="unsupported")
+        if self.tools or self.functions:
+            name = "tools" if self.tools else "functions"
+            raise bad_request(f"{name} (tool calling) is not supported", name, code="unsupported")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none", "auto"):
+                raise bad_request(f"{name} is not supported: tool calling is not implemented", name,
+                                  code="unsupported")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                     "truncate_prompt_tokens"):
+            if getattr(self, name) is not None:
+                raise bad_request(f"{name} is not supported", name, code="unsupported")
 
     @property
     def include_usage(self) -> bool:
@@ -225,7 +261,7 @@ def _param_path(loc: tuple[int | str, ...]) -> str | None:
 def parse_body(model: type[M], body: bytes) -> M:
     """Validate a raw JSON body: invalid UTF-8, malformed JSON, a non-object or a bad field -> 400."""
     try:
-        return model.model_validate_json(body)
+        request = model.model_validate_json(body)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         if err["type"] == "json_invalid":
@@ -233,9 +269,15 @@ def parse_body(model: type[M], body: bytes) -> M:
         if err["type"] == "model_type" and not err["loc"]:
             raise bad_request("the body must be a JSON object", code="invalid_json") from None
         param = _param_path(tuple(err["loc"]))
+        if param is not None and _CONTENT.fullmatch(param):  # pydantic names only the union's first member
+            raise bad_request(f'{param} must be a string or a list of text parts ({{"type": "text", "text": ...}}); '
+                              "images, audio and files are not supported", param) from None
         raise bad_request(f"{param or 'body'}: {err['msg']}", param) from None
     except (ValueError, RecursionError) as e:  # e.g. nesting too deep for the parser
         raise bad_request(f"the body could not be parsed: {e}", code="invalid_json") from None
+    if isinstance(request, _SamplingRequest):
+        request.check_supported()
+    return request
 
 
 def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, prompt_param: str) -> None:
