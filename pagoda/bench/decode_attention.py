@@ -16,6 +16,9 @@ One layer's cache stays in L3 between calls where it fits (32-300 MiB on the mac
 every layer's comes from memory: `--layers 30` attends 30 caches in turn, as a step does. `--versus-rev REV`
 alternates calls with the C++ kernel as it was at git revision REV, in one process (the machine's speed drifts
 between runs).
+`--versus-read` alternates each backend with torch's sum over a buffer as large as the context's K and V (all
+layers'): the plain read of those bytes in this process, since one process's memory can be twice another's on these
+VMs; `--block-order shared` gives every sequence the same blocks, which then stay in L2: the arithmetic alone.
 `--kernel-only` times the C++ kernel with its arguments bound beforehand, as the one-call one-stream forward
 calls it: for one sequence, the backend's Python around the call takes longer than the kernel.
 """
@@ -37,7 +40,7 @@ from pagoda.layers.attention.backend import DecodeGroup, get_attention_backend
 from pagoda.layers.attention.cpp import paged_decode, prepared_decode
 from pagoda.layers.attention.paged_kv import PagedKVCache, allocate_scales, k_cache_layout
 from pagoda.layers.kv_quant import SCALE_GRANULARITIES, KVCacheSpec, kv_cache_spec
-from pagoda.worker.host_memory import move_to_huge_pages
+from pagoda.worker.host_memory import huge_page_zeros, move_to_huge_pages
 
 
 def main() -> None:
@@ -52,7 +55,8 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per cache block (the engine's --block-size)")
     p.add_argument("--block-order", default="scattered", choices=BLOCK_ORDERS,
                    help="each sequence's blocks at random through the cache (scattered), or in one run of "
-                        "consecutive blocks (consecutive: a prompt's blocks in a fresh engine)")
+                        "consecutive blocks (consecutive: a prompt's blocks in a fresh engine), or the same blocks "
+                        "for every sequence (shared: they stay in cache, which times the arithmetic alone)")
     p.add_argument("--layers", type=int, default=1,
                    help="caches of this many layers, attended in turn as a step does; with 30 (the default model's "
                         "count) they no longer fit in L3 and come from memory, as in the engine")
@@ -63,6 +67,10 @@ def main() -> None:
     p.add_argument("--versus-rev", default=None, metavar="REV",
                    help="cpp only: alternate calls with the kernel as of git revision REV (its cpp_kernel.cpp and "
                         "cpp_vector.h), in one process, and report both")
+    p.add_argument("--versus-read", action="store_true",
+                   help="alternate each backend's calls with torch's sum over a buffer of the context's K and V bytes "
+                        "(times --layers, on huge pages): what a plain read of those bytes takes in this process, "
+                        "whose memory may be twice as fast as another's on these VMs")
     args = p.parse_args()
     for flag, value in (("--versus-rev", args.versus_rev), ("--kernel-only", args.kernel_only)):
         if value and args.backends != "cpp":
@@ -89,6 +97,7 @@ def main() -> None:
             return (time.perf_counter() - start) / args.layers * 1e3
         return call
 
+    read = _plain_read(context_bytes * args.layers, args.layers) if args.versus_read else None
     for name in args.backends.split(","):
         backend = get_attention_backend(name, dtype)
         compile_s = backend.warmup(caches[0], hq, dtype, d**-0.5)
@@ -101,6 +110,8 @@ def main() -> None:
         if args.kernel_only:
             sides = {side: _kernel_only(q, caches, tables, lens, d**-0.5, args.layers,
                                         args.versus_rev if side.startswith("versus") else None) for side in sides}
+        if read is not None:
+            sides["read_ms"] = read
         times: dict[str, list[float]] = {side: [] for side in sides}
         with torch.inference_mode():
             for i in range(args.iters + 3):
@@ -115,21 +126,41 @@ def main() -> None:
         if args.versus_rev is not None:
             out |= {"versus_rev": args.versus_rev, "versus_ms_per_call": round(ms["versus_ms_per_call"], 3),
                     "versus_over_this": round(ms["versus_ms_per_call"] / ms["ms_per_call"], 3)}
+        if args.versus_read:
+            out |= {"read_ms_per_layer": round(ms["read_ms"], 3),
+                    "read_gb_per_s_plain": float(f"{context_bytes / ms['read_ms'] / 1e6:.3g}"),
+                    "this_over_read": round(ms["ms_per_call"] / ms["read_ms"], 3)}
         print(json.dumps(out | {"compile_s": round(compile_s, 2), "machine": machine_info()}))
 
 
-BLOCK_ORDERS = ("scattered", "consecutive")
+BLOCK_ORDERS = ("scattered", "consecutive", "shared")
 
 
 def block_tables(num_seqs: int, width: int, num_blocks: int, order: str, g: torch.Generator) -> torch.Tensor:
-    """(num_seqs, width) block ids, distinct, out of num_blocks: a random permutation's (scattered), or sequence i
-    holding blocks i * width .. (i + 1) * width - 1 (consecutive)."""
+    """(num_seqs, width) block ids out of num_blocks: distinct, a random permutation's (scattered), or sequence i
+    holding blocks i * width .. (i + 1) * width - 1 (consecutive); or every sequence the same blocks 0 .. width - 1
+    (shared: not a state the engine is ever in, but one layer's blocks then stay in L2, so that the kernel's
+    arithmetic is timed without memory's part)."""
     if order not in BLOCK_ORDERS:
         raise ValueError(f"block order must be one of {BLOCK_ORDERS}, got {order!r}")
+    if order == "shared":
+        return torch.arange(width).repeat(num_seqs, 1)
     if num_seqs * width > num_blocks:
         raise ValueError(f"{num_seqs} sequences of {width} blocks do not fit in {num_blocks} blocks")
     ids = torch.randperm(num_blocks, generator=g) if order == "scattered" else torch.arange(num_blocks)
     return ids[: num_seqs * width].view(num_seqs, width)
+
+
+def _plain_read(nbytes: int, layers: int) -> Callable[[], float]:
+    """Times torch's sum over one huge-page buffer of nbytes (float32): ms per layer, as the kernel's side reports."""
+    buffer = huge_page_zeros(nbytes // 4 * 4).view(torch.float32)
+    buffer.normal_()
+
+    def call() -> float:
+        start = time.perf_counter()
+        buffer.sum()
+        return (time.perf_counter() - start) / layers * 1e3
+    return call
 
 
 def _kernel_only(q: torch.Tensor, caches: list[PagedKVCache], tables: torch.Tensor, lens: torch.Tensor, scale: float,

@@ -404,3 +404,20 @@ def test_issue_rates_reports_each_mix_and_the_openmp_costs(capsys: pytest.Captur
     assert out["vpdpbusd_per_s"] > 0 and out["fma_per_s"] > 0
     assert set(out["cycles_per_8_vpdpbusd"]) == set(MIXES.values())
     assert all(c > 0 for c in out["cycles_per_8_vpdpbusd"].values())
+
+
+def test_decode_attention_versus_a_plain_read_and_shared_blocks(capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """--versus-read reports a plain read of the context's bytes alongside the kernel, and their ratio; `shared`
+    tables give every sequence the same blocks."""
+    import torch
+
+    from pagoda.bench.decode_attention import block_tables, main
+
+    shared = block_tables(4, 3, 24, "shared", torch.Generator().manual_seed(0))
+    assert shared.tolist() == [[0, 1, 2]] * 4
+    rows = run_module(main, ["--num-seqs", "3", "--context", "20:40", "--iters", "1", "--backends", "cpp",
+                             "--block-order", "shared", "--versus-read", "--kernel-only"], capsys, monkeypatch)
+    r = rows[0]
+    assert r["block_order"] == "shared" and r["ms_per_call"] > 0 and r["read_ms_per_layer"] > 0
+    assert r["this_over_read"] > 0 and r["read_gb_per_s_plain"] > 0
