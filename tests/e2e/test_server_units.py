@@ -155,7 +155,7 @@ def _parse(body: dict[str, Any]) -> Any:
     (_CHAT | {"response_format": {"type": "json_object"}}, "response_format"),
     (_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (_CHAT | {"functions": [{"name": "f"}]}, "functions"), (_CHAT | {"tool_choice": "required"}, "tool_choice"),
-    (_CHAT | {"function_call": {"name": "f"}}, "function_call"),
+    (_CHAT | {"function_call": {"name": "f"}}, "function_call"), (_TEXT | {"suffix": "y"}, "suffix"),
 ])
 def test_unsupported_fields_are_refused_not_dropped(body: dict[str, Any], param: str) -> None:
     """A field this server does not implement, set to ask for more than the default, is a 400 naming it (code

@@ -173,10 +173,13 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompts of this request: one text or token-id list, or a batch of them."""
+    def check_supported(self) -> None:
+        super().check_supported()
         if self.suffix is not None:
             raise bad_request("suffix is not supported", "suffix", code="unsupported")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: one text or token-id list, or a batch of them."""
         p = self.prompt
         if isinstance(p, str) or not p or isinstance(p[0], int):
             return [p]  # type: ignore[list-item]
