@@ -23,6 +23,8 @@
 // BENCHMARKS.md ("The C++ decode kernel"). Prompt chunks run the same loop (attend_span) with a few query
 // rows per work item sharing each load (pagoda_paged_prefill).
 
+#include <omp.h>
+
 #include <vector>
 
 constexpr int64_t HKV = PAGODA_HKV, G = PAGODA_G, HQ = HKV * G, D = PAGODA_D, BS = PAGODA_BS;
@@ -158,6 +160,14 @@ constexpr int64_t PREFETCH_AHEAD = PAGODA_PREFETCH_AHEAD;
 // bfloat16 decode attention 1.07x faster with the caches in memory, 1.15x with one layer's in L3; two blocks gave
 // 1.04x and 1.09x (`bench.decode_attention --layers 30 / 1 --versus-rev`, BENCHMARKS.md).
 constexpr int64_t CB = BS >= 64 ? 1 : 64 / BS;
+// A batch of at least DECODE_BATCH_MIN decodes a thread takes steps of one block instead: each block's V pass then
+// follows its K pass, and the prefetcher asks for the next block's K and V during each block's work; the softmax
+// update runs four times as often, which costs little since it takes nine heads at a time. Against steps of 4
+// blocks (ad hoc harness: the kernel alternated in one process over 30 layers' caches, consecutive blocks, Zen 4):
+// 128 sequences float32 1.06x, float16 1.04-1.12x, bfloat16 1.21x, int8 1.03-1.16x; 64 float16 1.05x, int8 1.04x;
+// 32 1.10x and 1.05x; but 16 int8 0.93x and, timed against the previous revision, 4-16 sequences 0.84-1.00x
+// (BENCHMARKS.md, "Where float32's decode steps lose their time"). Fewer sequences, and prompt tiles, keep CB.
+constexpr int64_t DECODE_BATCH_MIN = 16;
 constexpr int64_t LINES = HKV * D * BS * int64_t(sizeof(elem_t)) / 64;  // of one block's K (or V)
 constexpr int64_t PREFETCH_STEPS = HKV * K_STEPS + HKV * BS;          // of one block's K and V loops
 constexpr int64_t PREFETCH_PER_STEP = (2 * LINES + PREFETCH_STEPS - 1) / PREFETCH_STEPS;
@@ -424,11 +434,11 @@ static inline void int8_values(const float (*s)[CB * BS], const int8_t* v, const
 // the BS tokens of a block are BS lanes of one vector, accumulated over d with the R * G query vectors of a
 // KV head sharing each load (no horizontal sums). V blocks are (BS, HKV, D): each query vector's output
 // (D lanes) stays in registers while the block's tokens are added in. Scales multiply the scores (K)
-// and the softmax weights (V), never the elements. Blocks are taken CB at a time.
+// and the softmax weights (V), never the elements. Blocks are taken cb at a time (CB, or one: DECODE_BATCH_MIN).
 template <int64_t R>
 static void attend_span(const float* q, const elem_t* k, const elem_t* v, const uint16_t* ks, const uint16_t* vs,
                         const float* table, const int64_t* blocks, int64_t j0, int64_t j1, const int64_t* lens,
-                        float* m, float* l, float* acc) {
+                        float* m, float* l, float* acc, int64_t cb = CB) {
   constexpr int64_t RG = R * G;  // query vectors per KV head
   constexpr int64_t DSR = splits(RG * NT);  // DS for R rows
   // Output vectors per V pass. A decode's (R = 1) V rows come from memory and its loop waits for them: in passes it
@@ -451,11 +461,11 @@ static void attend_span(const float* q, const elem_t* k, const elem_t* v, const 
 #if PAGODA_INT8_DOT
   const Int8Queries<R> qq(q);
 #endif
-  for (int64_t j = j0; j < j1; j += CB) {
-    const int64_t nb = std::min<int64_t>(CB, j1 - j);  // blocks in this step
+  for (int64_t j = j0; j < j1; j += cb) {  // cb <= CB blocks a step
+    const int64_t nb = std::min<int64_t>(cb, j1 - j);  // blocks in this step
     const int64_t ntok = std::min<int64_t>(nb * BS, len - j * BS);  // their tokens (the last may be partial)
     Prefetcher pf;
-    if (prefetch) pf.start(k, v, blocks + j, nb, std::min<int64_t>(CB, j1 - j - nb), j == j0);
+    if (prefetch) pf.start(k, v, blocks + j, nb, std::min<int64_t>(cb, j1 - j - nb), j == j0);
     for (int64_t c = 0; c < nb; ++c) {
       const int64_t block = blocks[j + c];
       for (int64_t h = 0; h < HKV; ++h) {
@@ -625,6 +635,7 @@ extern "C" void pagoda_paged_decode_rows(const float* q_in, int64_t q_stride, co
   const int64_t spans = (W + span_blocks - 1) / span_blocks;
   const float log2e = 1.4426950408889634f;
   constexpr int64_t PART = HQ * (D + 2);  // one span's m, l and acc
+  const int64_t step = B >= DECODE_BATCH_MIN * omp_get_max_threads() ? 1 : CB;  // blocks a step (DECODE_BATCH_MIN)
 #pragma omp parallel
   {
 #pragma omp for schedule(dynamic, 1)
@@ -637,7 +648,8 @@ extern "C" void pagoda_paged_decode_rows(const float* q_in, int64_t q_stride, co
       alignas(64) float q[HQ * D];
       for (int64_t i = 0; i < HQ * D; ++i) q[i] = q_in[b * q_stride + i] * (qscale * log2e);
       float* part = work + item * PART;
-      attend_span<1>(q, k, v, ks, vs, table, block_tables + b * W, j0, j1, &len, part, part + HQ, part + 2 * HQ);
+      attend_span<1>(q, k, v, ks, vs, table, block_tables + b * W, j0, j1, &len, part, part + HQ, part + 2 * HQ,
+                     step);
     }
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; ++b) {
