@@ -7,10 +7,10 @@ Default: torch's SDPA called with 3-D (heads, tokens, head_dim) and with 4-D (1,
 tensors; torch 2.13 on CPU runs its flash kernel only for 4-D inputs, 3-D ones go to the unfused math path.
 
 --paged: the cpp backend's prompt kernels (pagoda/layers/attention/cpp_kernel.cpp: the float32 loop, and
-the AMX tiles over float16, int8 and bfloat16 caches where the CPU has them) against SDPA as the engine calls
-it, over a paged cache of scattered blocks of 16. With --context C the prompt is a chunk of --tokens queries
-after C tokens already in the cache: SDPA's path then gathers the context and masks; without, SDPA takes the
-chunk's own K and V.
+`cpp_bf16` the bfloat16 kernel over float16 and bfloat16 caches, and on AMX int8 ones, where the CPU has it) against
+SDPA as the engine calls it, over a paged cache of scattered blocks of 16. With --context C the prompt is a chunk of
+--tokens queries after C tokens already in the cache: SDPA's path then gathers the context and masks; without, SDPA
+takes the chunk's own K and V.
 --versus-rev REV adds the loop as of git revision REV (`cpp_rev`; `cpp_rev_over_cpp` > 1: the checkout's is
 faster). Calls alternate in one process (the machine's speed drifts).
 
@@ -56,7 +56,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batched: bool) ->
 
 
 def _paged(args: argparse.Namespace) -> None:
-    from pagoda.layers.attention.cpp import amx_prefill_available, paged_prefill, paged_prefill_amx
+    from pagoda.layers.attention.cpp import bf16_prefill_available, paged_prefill, paged_prefill_bf16
     from pagoda.layers.attention.paged_kv import PagedKVCache, allocate_scales, k_cache_layout
     from pagoda.layers.attention.sdpa import SDPAAttentionBackend
     from pagoda.layers.kv_quant import KVCacheSpec
@@ -88,8 +88,8 @@ def _paged(args: argparse.Namespace) -> None:
             "cpp": functools.partial(paged_prefill, q, cache, table, seq_len, 0.125)}
         if args.versus_rev is not None:
             sides["cpp_rev"] = functools.partial(paged_prefill, q, cache, table, seq_len, 0.125, args.versus_rev)
-        if amx_prefill_available(cache, 9):
-            sides["cpp_amx"] = functools.partial(paged_prefill_amx, q, cache, table, seq_len, 0.125)
+        if bf16_prefill_available(cache, 9):
+            sides["cpp_bf16"] = functools.partial(paged_prefill_bf16, q, cache, table, seq_len, 0.125)
         times: dict[str, list[float]] = {name: [] for name in sides}
         for i in range(args.iters + 3):
             for name, f in sides.items():

@@ -19,6 +19,16 @@ from pagoda.layers.kv_quant import KVCacheSpec
 from tests.layers.test_kv_quant import run_steps
 
 
+def _bf16_kernel_takes(storage: torch.dtype) -> bool:
+    """Whether the bfloat16 prompt kernel runs here over a cache of storage (cpp.bf16_prefill_available, for head_dim
+    a multiple of 32): 16-bit caches where the CPU has AVX-512 BF16 (on AMX tiles or in vector instructions), int8
+    ones (a scale per token) on AMX tiles only."""
+    flags = Path("/proc/cpuinfo").read_text()
+    if storage == torch.int8:
+        return "amx_bf16" in flags
+    return storage in (torch.bfloat16, torch.float16) and "avx512_bf16" in flags
+
+
 @pytest.mark.parametrize("backend", [SDPAAttentionBackend, CompiledAttentionBackend])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("storage", ["model", "int8 token", "int8 block", "bfloat16"])
@@ -46,8 +56,8 @@ def test_cpp_backend_matches_reference(dtype: torch.dtype, tol: float, storage: 
 
     calls = []
     monkeypatch.setattr(cpp, "paged_decode", lambda *a: calls.append(1) or paged_decode(*a))
-    # prompts in the loop kernel: the AMX one (bfloat16 arithmetic) has tests of its own
-    monkeypatch.setattr(cpp, "AMX_PREFILL", False)
+    # prompts in the loop kernel: the bfloat16 one has tests of its own
+    monkeypatch.setattr(cpp, "BF16_PREFILL", False)
     storage_dtype = {"model": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16,
                      "float16": torch.float16}[storage.split()[0]]
     spec = KVCacheSpec(storage_dtype, *storage.split()[1:])
@@ -94,10 +104,10 @@ def test_int8_dot_rounds_far_less_than_int8(granularity: str, monkeypatch: pytes
     to 15-bit (each against its largest magnitude). What that adds to the kernel's outputs (against the float64
     reference over the same int8 cache) stays under 1/100 of what storing K and V in int8 costs (that reference
     against a float64 cache): measured 3.1-4.6e-5 against 0.8-1.4e-2 of the outputs' norm. (Prompts in the loop
-    kernel: on AMX they take bfloat16 tiles, test_amx_prompts_over_int8_add_little_to_int8.)"""
+    kernel: on AMX they take bfloat16 tiles, test_bf16_kernel_prompts_over_int8_add_little_to_int8.)"""
     import pagoda.layers.attention.cpp as cpp
 
-    monkeypatch.setattr(cpp, "AMX_PREFILL", False)
+    monkeypatch.setattr(cpp, "BF16_PREFILL", False)
     spec = KVCacheSpec(torch.int8, granularity)
     if not _int8_dot(spec):
         pytest.skip("this CPU has no AVX-512 VNNI and VBMI: int8 scores in float32 (the other tests cover them)")
@@ -110,17 +120,17 @@ def test_int8_dot_rounds_far_less_than_int8(granularity: str, monkeypatch: pytes
         assert 0 < kernel < int8 / 100, (kernel, int8)
 
 
-def test_amx_prompts_over_int8_add_little_to_int8() -> None:
+def test_bf16_kernel_prompts_over_int8_add_little_to_int8() -> None:
     """Where the CPU has AMX, a float32 model's prompts over an int8 cache (a scale per token) take the bfloat16
     tiles: the queries and the softmax weights (times V's scales) rounded to bfloat16, the int8 values exact. What
     that adds to the outputs stays under a third of what storing K and V in int8 costs (measured 2.3e-3 against
     8.2e-3 of the outputs' norm on the Xeon: in quadrature 4% more error than the int8 cache's own; with the
     scales applied before the rounding, 2.9e-3); the decode steps are the integer dot products' (the test above)."""
-    from pagoda.layers.attention.cpp import amx_prefill_available
+    from pagoda.layers.attention.cpp import bf16_prefill_available
     from tests.layers.test_kv_quant import make_cache
 
     spec = KVCacheSpec(torch.int8, "token")
-    if not amx_prefill_available(make_cache(spec, num_blocks=2, block_size=16, hkv=2, d=64), 8):
+    if not bf16_prefill_available(make_cache(spec, num_blocks=2, block_size=16, hkv=2, d=64), 8):
         pytest.skip("no AMX tiles here: int8 prompts in the loop kernel (the tests above)")
     exact = run_steps(KVCacheSpec(torch.float64), torch.float64, bs=16)
     stored = run_steps(spec, torch.float64, bs=16)
@@ -131,25 +141,26 @@ def test_amx_prompts_over_int8_add_little_to_int8() -> None:
         assert 0 < kernel < int8 / 3, (kernel, int8)
 
 
-def test_amx_prompts_over_float16_only_when_asked() -> None:
-    """A float16 cache's prompts take the AMX tiles only under bf16_prompts (the engine's --quantization): K, V, the
-    queries and the softmax weights rounded to bfloat16. What that adds stays within 1.5x what storing K and V in
-    bfloat16 costs (measured 3.0-3.3e-3 against 2.4-2.8e-3 of the outputs' norm on the Xeon; float16 storage's own
-    3e-4). Without the flag the float32 loop kernel keeps float16's precision (2e-7)."""
-    from pagoda.layers.attention.cpp import amx_prefill_available
+def test_bf16_kernel_prompts_over_float16_only_when_asked() -> None:
+    """A float16 cache's prompts take the bfloat16 kernel (AMX tiles or AVX-512 BF16 dot products) only under
+    bf16_prompts (the engine's --quantization): K, V, the queries and the softmax weights rounded to bfloat16. What
+    that adds stays within 1.5x what storing K and V in bfloat16 costs (measured 3.0-3.3e-3 against 2.4-2.8e-3 of the
+    outputs' norm on the Xeon; float16 storage's own 3e-4). Without the flag the float32 loop kernel keeps float16's
+    precision (2e-7)."""
+    from pagoda.layers.attention.cpp import bf16_prefill_available
     from tests.layers.test_kv_quant import make_cache
 
     spec = KVCacheSpec(torch.float16)
     exact = run_steps(KVCacheSpec(torch.float64), torch.float64, bs=16)
     stored = run_steps(spec, torch.float64, bs=16)
     bf16 = run_steps(KVCacheSpec(torch.bfloat16), torch.float64, bs=16)
-    amx = amx_prefill_available(make_cache(spec, num_blocks=2, block_size=16, hkv=2, d=64), 8)
+    kernel_here = bf16_prefill_available(make_cache(spec, num_blocks=2, block_size=16, hkv=2, d=64), 8)
     for flag in (False, True):
         got = run_steps(spec, torch.float32, backend=CppAttentionBackend(bf16_prompts=flag), bs=16)
         errors = [(float((o.double() - r).norm() / r.norm()), float((b - e).norm() / e.norm()))
                   for e, r, b, o in zip(exact, stored, bf16, got, strict=True)]
-        if flag and amx:
-            assert max(kernel for kernel, _ in errors) > 1e-4, errors  # the tiles ran
+        if flag and kernel_here:
+            assert max(kernel for kernel, _ in errors) > 1e-4, errors  # the bfloat16 kernel ran
             assert all(kernel < 1.5 * bf16_storage for kernel, bf16_storage in errors), errors
         else:
             assert all(kernel < 1e-6 for kernel, _ in errors), errors
@@ -237,6 +248,39 @@ def test_cpp_kernel_at_narrower_vector_widths(width: int, monkeypatch: pytest.Mo
             narrow = paged_decode(q, cache, tables, lens, 0.125), paged_prefill(qp, cache, tables[3], 299, 0.125)
         for a, b in zip(narrow, native, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_kernel_in_vector_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bfloat16 prompt kernel as a CPU with AVX-512 BF16 but no AMX runs it (vdpbf16ps in vector registers; built
+    with PAGODA_NO_AMX, so that an AMX machine tests it too) over a float16 cache of scattered blocks, fresh and
+    continued chunks with partial tiles and steps, against causal attention in float64: within bfloat16's rounding,
+    as the tiles."""
+    import torch.nn.functional as F
+
+    import pagoda.layers.attention.cpp as cpp
+    from tests.layers.test_kv_quant import make_cache
+
+    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("no AVX-512 BF16 here")
+    g = torch.Generator().manual_seed(11)
+    cache = make_cache(KVCacheSpec(torch.float16), num_blocks=60, block_size=16, hkv=3, d=64)
+    _fill_cache(cache, g)
+    table = torch.randperm(60, generator=g)[:20]
+    monkeypatch.setattr(cpp, "load_library", lambda src, defines, flags=(), rev=None, load=cpp.load_library:
+                        load(src, defines, (*flags, "-DPAGODA_NO_AMX=1"), rev))
+    lib = cpp._library.__wrapped__(*cpp._library_args(cache, 9))
+    assert not hasattr(lib, "pagoda_amx_init")  # the vector build
+    monkeypatch.setattr(cpp, "_library_for", lambda *args, lib=lib, **kwargs: lib)
+    keys, values = cache.gather(table, torch.float64)
+    for seq_len, n in ((300, 300), (300, 7), (70, 33)):
+        q = torch.randn(n, 9, 64, generator=g)
+        got = cpp.paged_prefill_bf16(q, cache, table, seq_len, 0.125)
+        k, v = keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len]
+        mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - n, seq_len)[:, None]
+        want = F.scaled_dot_product_attention(q.double().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              attn_mask=mask, scale=0.125, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+        assert (got.double() - want).abs().max() > 1e-5  # bfloat16 arithmetic, not the float32 loop
 
 
 def test_cpp_backend_falls_back_to_sdpa_where_the_kernel_does_not_apply() -> None:
@@ -533,24 +577,25 @@ def test_cpp_int8_write_matches_torch_write(source: str) -> None:
 
 @pytest.mark.parametrize(("hkv", "group", "block_size", "d"), [(3, 3, 16, 64), (2, 1, 16, 64), (2, 2, 32, 32),
                                                                  (1, 8, 16, 16), (4, 4, 16, 48), (1, 2, 16, 96)])
-@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8, "bfloat16 amx", "int8 amx",
-                                     "float16 amx"])
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8, "bfloat16 tiles", "int8 tiles",
+                                     "float16 tiles"])
 def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: int, d: int,
                                               storage: torch.dtype | str) -> None:
     """Prompts from their start and chunks continuing a context, of lengths that leave the kernels' last tile
-    of rows partial (PREFILL_ROWS is 2 to 6 for these head shapes; the AMX kernel's tiles are 16 rows, its
+    of rows partial (PREFILL_ROWS is 2 to 6 for these head shapes; the bfloat16 kernel's tiles are 16 rows, its
     steps 64 keys), over a cache of scattered blocks, against causal attention in float64 over the same
-    (rounded) cache. The AMX kernel (queries and weights rounded to bfloat16; bfloat16 queries over a bfloat16
-    cache, float32 ones over an int8 cache, whose values it takes exactly and its scales in float32, and over a
-    float16 one, whose values it rounds to bfloat16) where this CPU has it and head_dim is a multiple of 32."""
+    (rounded) cache. The bfloat16 kernel ("tiles": queries and weights rounded to bfloat16; bfloat16 queries over a
+    bfloat16 cache, float32 ones over an int8 cache, whose values it takes exactly and its scales in float32, and
+    over a float16 one, whose values it rounds to bfloat16) where this CPU has it (_bf16_kernel_takes) and head_dim
+    is a multiple of 32."""
     import torch.nn.functional as F
 
-    from pagoda.layers.attention.cpp import amx_prefill_available, paged_prefill, paged_prefill_amx
+    from pagoda.layers.attention.cpp import bf16_prefill_available, paged_prefill, paged_prefill_bf16
     from tests.layers.test_kv_quant import make_cache
 
-    amx = storage in ("bfloat16 amx", "int8 amx", "float16 amx")
-    storage = {"bfloat16 amx": torch.bfloat16, "int8 amx": torch.int8,  # type: ignore[arg-type]
-               "float16 amx": torch.float16}.get(storage, storage)
+    tiles = storage in ("bfloat16 tiles", "int8 tiles", "float16 tiles")
+    storage = {"bfloat16 tiles": torch.bfloat16, "int8 tiles": torch.int8,  # type: ignore[arg-type]
+               "float16 tiles": torch.float16}.get(storage, storage)
     assert isinstance(storage, torch.dtype)
 
     spec = KVCacheSpec(storage, "token") if storage == torch.int8 else KVCacheSpec(storage)
@@ -559,23 +604,22 @@ def test_cpp_prefill_kernel_against_reference(hkv: int, group: int, block_size: 
     _fill_cache(cache, g)
     table = torch.randperm(96, generator=g)[: -(-300 // block_size)]
     int8_dot = storage == torch.int8 and _int8_dot(spec)
-    if amx:  # built for head_dim in 32s, on CPUs with AMX (this project's have it)
-        cpu_has_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
-        assert amx_prefill_available(cache, hkv * group) == (d % 32 == 0 and cpu_has_amx)
-        if d % 32 or not cpu_has_amx:
+    if tiles:  # built for head_dim in 32s
+        assert bf16_prefill_available(cache, hkv * group) == (d % 32 == 0 and _bf16_kernel_takes(storage))
+        if d % 32 or not _bf16_kernel_takes(storage):
             return
     for seq_len, n in ((300, 300), (37, 37), (300, 7), (150, 2), (17 + block_size, 17), (128, 64), (129, 129)):
         q = torch.randn(n, hkv * group, d, generator=g)
-        if amx and storage == torch.bfloat16:
+        if tiles and storage == torch.bfloat16:
             q = q.to(torch.bfloat16)
-        got = (paged_prefill_amx if amx else paged_prefill)(q, cache, table, seq_len, d**-0.5)
+        got = (paged_prefill_bf16 if tiles else paged_prefill)(q, cache, table, seq_len, d**-0.5)
         keys, values = cache.gather(table, torch.float64)
         keys, values = keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len]
         mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - n, seq_len)[:, None]
         want = F.scaled_dot_product_attention(q.double().transpose(0, 1), keys.transpose(0, 1),
                                               values.transpose(0, 1), attn_mask=mask, scale=d**-0.5,
                                               enable_gqa=True).transpose(0, 1)
-        tol = 2e-2 if amx else 1e-3 if int8_dot else 1e-5  # int8 scores from 16-bit queries (_int8_dot)
+        tol = 2e-2 if tiles else 1e-3 if int8_dot else 1e-5  # int8 scores from 16-bit queries (_int8_dot)
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
@@ -625,17 +669,17 @@ def _one_call_gives_each_chunks_bits(cache: PagedKVCache, batched: Callable[...,
 
 
 @pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16, torch.int8])
-def test_amx_prompt_chunks_in_one_call_give_each_chunks_bits(storage: torch.dtype) -> None:
-    """paged_prefill_amx_chunks: a step's prompt chunks in one kernel call, bit for bit each chunk's own
-    paged_prefill_amx call (_one_call_gives_each_chunks_bits); float32 queries read in place."""
-    from pagoda.layers.attention.cpp import amx_prefill_available, paged_prefill_amx, paged_prefill_amx_chunks
+def test_bf16_kernel_prompt_chunks_in_one_call_give_each_chunks_bits(storage: torch.dtype) -> None:
+    """paged_prefill_bf16_chunks: a step's prompt chunks in one kernel call, bit for bit each chunk's own
+    paged_prefill_bf16 call (_one_call_gives_each_chunks_bits); float32 queries read in place."""
+    from pagoda.layers.attention.cpp import bf16_prefill_available, paged_prefill_bf16, paged_prefill_bf16_chunks
     from tests.layers.test_kv_quant import make_cache
 
     spec = KVCacheSpec(storage, "token") if storage == torch.int8 else KVCacheSpec(storage)
     cache = make_cache(spec, num_blocks=160, block_size=16, hkv=3, d=64)
-    if not amx_prefill_available(cache, 9):
-        pytest.skip("no AMX tiles here (CPU, compiler target or OS)")
-    _one_call_gives_each_chunks_bits(cache, paged_prefill_amx_chunks, paged_prefill_amx, seed=5)
+    if not bf16_prefill_available(cache, 9):
+        pytest.skip("no bfloat16 kernel here for this cache (CPU, compiler target or OS)")
+    _one_call_gives_each_chunks_bits(cache, paged_prefill_bf16_chunks, paged_prefill_bf16, seed=5)
 
 
 @pytest.mark.parametrize("storage", [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
@@ -685,7 +729,7 @@ def test_cpp_backend_sends_a_long_float32_prompt_to_sdpa_only_over_a_float32_cac
     cache.write(slots, k, v)
     q = torch.randn(n, hkv * group, d, generator=g)
     calls: list[str] = []
-    for name in ("paged_prefill", "paged_prefill_amx"):
+    for name in ("paged_prefill", "paged_prefill_bf16"):
         kernel = getattr(cpp, name)
         monkeypatch.setattr(cpp, name,
                             lambda *a, name=name, kernel=kernel, **kw: calls.append(name) or kernel(*a, **kw))
@@ -718,7 +762,7 @@ def test_cpp_backend_writes_prompt_chunks_into_the_steps_rows(
     want = backend.prefill(q, q[:, :hkv], q[:, :hkv], cache, table, seq_len, d**-0.5)
     step = torch.full((n + 8, hkv * group, d), float("nan"), dtype=dtype)
     handed: list[int | None] = []  # the out each kernel call was given (its address)
-    for name in ("paged_prefill", "paged_prefill_amx"):
+    for name in ("paged_prefill", "paged_prefill_bf16"):
         kernel = getattr(cpp, name)
         monkeypatch.setattr(cpp, name, lambda *a, kernel=kernel, **kw: handed.append(
             None if kw.get("out") is None else kw["out"].data_ptr()) or kernel(*a, **kw))
@@ -743,19 +787,20 @@ def test_cpp_backend_writes_prompt_chunks_into_the_steps_rows(
 def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, bf16_prompts: bool, sdpa_on_amx: bool,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """run_steps' prompt chunks (fresh ones of 21, 16 and 5 tokens; continued ones of 13 and 9): bfloat16 over a
-    16-bit cache, any dtype over an int8 cache and, under bf16_prompts, over a 16-bit one all to the AMX kernel
-    (where the CPU has it; float32 ones a step's chunks in one call); float32 otherwise all to the loop; the rest
-    all to the loop where SDPA has no AMX, and where it has, the continued ones to the loop and the fresh ones to
-    SDPA. Float32 chunks for the loop go a step's in one call (paged_prefill_chunks)."""
+    16-bit cache, any dtype over an int8 cache and, under bf16_prompts, over a 16-bit one all to the bfloat16
+    kernel (where it runs over that cache, _bf16_kernel_takes; float32 ones a step's chunks in one call); float32
+    otherwise all to the loop; the rest all to the loop where SDPA has no AMX, and where it has, the continued ones to
+    the loop and the fresh ones to SDPA. Float32 chunks for the loop go a step's in one call
+    (paged_prefill_chunks)."""
     import pagoda.layers.attention.cpp as cpp
 
     monkeypatch.setattr(cpp, "SDPA_ON_AMX", sdpa_on_amx)
     calls: list[tuple[str, int, int]] = []
-    for name in ("paged_prefill", "paged_prefill_amx"):
+    for name in ("paged_prefill", "paged_prefill_bf16"):
         kernel = getattr(cpp, name)
         monkeypatch.setattr(cpp, name, lambda q, cache, table, seq_len, scale, name=name, kernel=kernel, **kw: (
             calls.append((name, q.shape[0], seq_len)) or kernel(q, cache, table, seq_len, scale, **kw)))
-    for name in ("paged_prefill_amx_chunks", "paged_prefill_chunks"):
+    for name in ("paged_prefill_bf16_chunks", "paged_prefill_chunks"):
         batched = getattr(cpp, name)
         monkeypatch.setattr(cpp, name, lambda q, cache, chunks, scale, out, name=name, batched=batched: (
             calls.extend((name, int(n), s) for n, s in zip(chunks.counts, chunks.seq_lens_list, strict=True))
@@ -767,10 +812,9 @@ def test_cpp_backend_routes_prompt_chunks(dtype: torch.dtype, storage: str, bf16
             "float16": KVCacheSpec(torch.float16), "bfloat16": KVCacheSpec(torch.bfloat16)}[storage]
     run_steps(spec, dtype, backend=CppAttentionBackend(bf16_prompts=bf16_prompts), bs=16)
     chunks = [(21, 21), (16, 16), (13, 29), (5, 5), (9, 15)]
-    amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    if amx and (storage == "int8" or dtype == torch.bfloat16 or bf16_prompts):
-        # a step's chunks in one call where the step's output is float32 (paged_prefill_amx_chunks)
-        want = [("paged_prefill_amx_chunks" if dtype == torch.float32 else "paged_prefill_amx", *c) for c in chunks]
+    if _bf16_kernel_takes(spec.storage_dtype) and (storage == "int8" or dtype == torch.bfloat16 or bf16_prompts):
+        # a step's chunks in one call where the step's output is float32 (paged_prefill_bf16_chunks)
+        want = [("paged_prefill_bf16_chunks" if dtype == torch.float32 else "paged_prefill_bf16", *c) for c in chunks]
     elif dtype == torch.float32:  # a step's chunks in one call of the loop kernel
         want = [("paged_prefill_chunks", *c) for c in chunks]
     elif not sdpa_on_amx:

@@ -1,6 +1,7 @@
 """Attention in a C++ kernel of our own (`cpp_kernel.cpp`), compiled at start-up: every decode, and prompt chunks:
-bfloat16 ones, those over an int8 cache and under --quantization those over a 16-bit one on AMX tiles where the
-CPU has them (`paged_prefill_amx`), others as `prefill_in_kernel` picks (the rest go to SDPA's flash kernel).
+bfloat16 ones, and under --quantization those over a 16-bit cache, in bfloat16 arithmetic where the CPU has it (AMX
+tiles, or AVX-512 BF16 dot products; on AMX also those over an int8 cache: `paged_prefill_bf16`), others as
+`prefill_in_kernel` picks (the rest go to SDPA's flash kernel).
 
 The kernel reads each sequence's blocks in place through its block table, once per query tile, at close to
 memory bandwidth for decodes (the kernel's header says how). It is compiled at start-up
@@ -73,11 +74,12 @@ def _library(elem: int, scales: int, hkv: int, group: int, head_dim: int, block_
         signatures["pagoda_write_kv_f32"] = [ptr] * 6 + [i64, ptr, i64]
     if rev is not None and hasattr(lib, "pagoda_paged_decode"):  # revisions before pagoda_paged_decode_rows
         signatures["pagoda_paged_decode"] = [ptr] * 10 + [i64] * 3 + [f32]
-    if hasattr(lib, "pagoda_paged_prefill_amx"):  # where the compiler targets AMX: 16-bit, int8 per-token caches
-        signatures["pagoda_paged_prefill_amx"] = [ptr, i64, i64] + [ptr] * 5 + [i64] * 2 + [ptr, ptr, f32]
+    if hasattr(lib, "pagoda_paged_prefill_bf16"):  # where the compiler targets AVX-512 BF16: 16-bit, int8 per token
+        signatures["pagoda_paged_prefill_bf16"] = [ptr, i64, i64] + [ptr] * 5 + [i64] * 2 + [ptr, ptr, f32]
+    if hasattr(lib, "pagoda_amx_init"):  # and AMX: the same kernel on the tiles
         lib.pagoda_amx_init.restype = ctypes.c_int
-    if hasattr(lib, "pagoda_paged_prefill_amx_chunks"):
-        signatures["pagoda_paged_prefill_amx_chunks"] = [ptr, i64, i64] + [ptr] * 9 + [i64, ptr, ptr, f32]
+    if hasattr(lib, "pagoda_paged_prefill_bf16_chunks"):
+        signatures["pagoda_paged_prefill_bf16_chunks"] = [ptr, i64, i64] + [ptr] * 9 + [i64, ptr, ptr, f32]
     if hasattr(lib, "pagoda_int8_dot"):
         lib.pagoda_int8_dot.restype, lib.pagoda_int8_dot.argtypes = ctypes.c_int, []
     for name, argtypes in signatures.items():
@@ -311,15 +313,21 @@ def _prompt_table(block_table: torch.Tensor, kv_cache: PagedKVCache, seq_len: in
     return bt
 
 
-def amx_prefill_available(kv_cache: PagedKVCache, num_q_heads: int) -> bool:
-    """Whether this cache's library has the AMX prompt kernel (a bfloat16 or float16 cache without scales or an int8
-    one with a scale per token, a compiler targeting AMX, the OS granting the process AMX tile data)."""
+def bf16_prefill_available(kv_cache: PagedKVCache, num_q_heads: int) -> bool:
+    """Whether prompts over this cache can take the bfloat16 prompt kernel (paged_prefill_bf16): a bfloat16 or float16
+    cache without scales, and a compiler targeting AVX-512 BF16 (head_dim a multiple of 32); or an int8 cache with a
+    scale per token where that kernel runs on AMX tiles (the OS granting the process AMX tile data). In AVX-512 BF16
+    vector instructions an int8 cache stays with the loop kernel, whose scores are integer dot products (VNNI): the
+    vector kernel ran at 0.86-0.97x its speed on chunks of 16-128 queries, 1.14-1.22x on 512-2,048 fresh tokens
+    (Zen 4, `bench.prompt_attention --paged [--context]`, BENCHMARKS.md), and it rounds the queries to bfloat16."""
     half = kv_cache.k.dtype in (torch.bfloat16, torch.float16) and kv_cache.k_scale is None
     int8 = kv_cache.k.dtype == torch.int8 and kv_cache.spec.scale_granularity == "token"
-    if not (half or int8) or not AMX_PREFILL:
+    if not (half or int8) or not BF16_PREFILL:
         return False
     lib = _library_for(kv_cache, num_q_heads)
-    return hasattr(lib, "pagoda_paged_prefill_amx") and _amx_granted(lib)
+    if not hasattr(lib, "pagoda_paged_prefill_bf16"):
+        return False
+    return _amx_granted(lib) if hasattr(lib, "pagoda_amx_init") else half
 
 
 @functools.cache
@@ -327,35 +335,36 @@ def _amx_granted(lib: Any) -> bool:
     return bool(lib.pagoda_amx_init() == 0)
 
 
-def paged_prefill_amx(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
+def paged_prefill_bf16(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
                       scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """paged_prefill on AMX tiles (amx_prefill_available): q rounded to bfloat16 where it is not, over a bfloat16
-    cache, a float16 one (its values rounded to bfloat16) or an int8 one (its values exact in bfloat16, their scales
-    applied in float32); the result in q's dtype (into out, as paged_prefill's)."""
+    """paged_prefill in bfloat16 arithmetic (bf16_prefill_available): q rounded to bfloat16 where it is not, over a
+    bfloat16 cache, a float16 one (its values rounded to bfloat16) or an int8 one (its values exact in bfloat16, their
+    scales applied in float32); the result in q's dtype (into out, as paged_prefill's)."""
     n, hq, d = q.shape
     lib = _library_for(kv_cache, hq)
-    qk = _amx_queries(q)
+    qk = _bf16_queries(q)
     bt = _prompt_table(block_table, kv_cache, seq_len, n)
-    work = torch.empty(_amx_work_elems(kv_cache, seq_len), dtype=torch.bfloat16)  # K and V repacked for the tiles
+    work = torch.empty(_bf16_work_elems(kv_cache, seq_len), dtype=torch.bfloat16)  # K and V repacked for the tiles
     out = _output(q, out)
     scales = tuple(None if t is None else t.data_ptr() for t in (kv_cache.k_scale, kv_cache.v_scale))
-    lib.pagoda_paged_prefill_amx(qk.data_ptr(), qk.stride(0), int(qk.dtype == torch.float32), kv_cache.k.data_ptr(),
+    lib.pagoda_paged_prefill_bf16(qk.data_ptr(), qk.stride(0), int(qk.dtype == torch.float32), kv_cache.k.data_ptr(),
                                  kv_cache.v.data_ptr(), *scales, bt.data_ptr(), n, seq_len, out.data_ptr(),
                                  work.data_ptr(), scale)
     return out.to(q.dtype)
 
 
-_AMX_KEYS = 64  # keys per step of the AMX kernel (amx::KC)
+_BF16_KEYS = 64  # keys per step of the bfloat16 kernel (tiles::KC)
 
 
-def _amx_work_elems(kv_cache: PagedKVCache, seq_len: int) -> int:
-    """bfloat16 values of the AMX kernel's work for a chunk of seq_len keys: its K and V packed (amx::packed_elems)."""
+def _bf16_work_elems(kv_cache: PagedKVCache, seq_len: int) -> int:
+    """bfloat16 values of the bfloat16 kernel's work for a chunk of seq_len keys: its K and V packed
+    (tiles::packed_elems)."""
     _, _, hkv, d = kv_cache.k.shape
-    return 2 * hkv * (-(-seq_len // _AMX_KEYS) * _AMX_KEYS + 8) * d
+    return 2 * hkv * (-(-seq_len // _BF16_KEYS) * _BF16_KEYS + 8) * d
 
 
-def _amx_queries(q: torch.Tensor) -> torch.Tensor:
-    """q as the AMX kernel reads it: float32 and bfloat16 rows in place (a view into the q/k/v projection's rows,
+def _bf16_queries(q: torch.Tensor) -> torch.Tensor:
+    """q as the bfloat16 kernel reads it: float32 and bfloat16 rows in place (a view into the q/k/v projection's rows,
     float32 rounded by the kernel), others rounded to bfloat16 first."""
     d = q.shape[2]
     if q.dtype in (torch.float32, torch.bfloat16) and q.stride(2) == 1 and q.stride(1) == d:
@@ -363,28 +372,28 @@ def _amx_queries(q: torch.Tensor) -> torch.Tensor:
     return q.to(torch.bfloat16).contiguous()
 
 
-def paged_prefill_amx_chunks(q: torch.Tensor, kv_cache: PagedKVCache, chunks: PromptChunks, scale: float,
+def paged_prefill_bf16_chunks(q: torch.Tensor, kv_cache: PagedKVCache, chunks: PromptChunks, scale: float,
                              out: torch.Tensor) -> None:
-    """paged_prefill_amx for all of a step's prompt chunks in one kernel call (one parallel region: every chunk's
+    """paged_prefill_bf16 for all of a step's prompt chunks in one kernel call (one parallel region: every chunk's
     context packed, then all their tiles of queries balanced between the threads, the longest first): q (T, Hq, D)
     the step's queries, out (T, Hq, D) float32 contiguous the step's output, whose chunks' rows it writes."""
     if out.dtype != torch.float32 or not out.is_contiguous() or out.shape != q.shape:
         raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(q.shape)}, got {out.dtype} "
                          f"{tuple(out.shape)}")
     lib = _library_for(kv_cache, q.shape[1])
-    qk = _amx_queries(q)
-    work = torch.empty(sum(_amx_work_elems(kv_cache, n) for n in chunks.seq_lens_list), dtype=torch.bfloat16)
+    qk = _bf16_queries(q)
+    work = torch.empty(sum(_bf16_work_elems(kv_cache, n) for n in chunks.seq_lens_list), dtype=torch.bfloat16)
     scales = tuple(None if t is None else t.data_ptr() for t in (kv_cache.k_scale, kv_cache.v_scale))
-    lib.pagoda_paged_prefill_amx_chunks(
+    lib.pagoda_paged_prefill_bf16_chunks(
         qk.data_ptr(), qk.stride(0), int(qk.dtype == torch.float32), kv_cache.k.data_ptr(), kv_cache.v.data_ptr(),
         *scales, chunks.tables.data_ptr(), chunks.table_starts.data_ptr(), chunks.starts.data_ptr(),
         chunks.counts.data_ptr(), chunks.seq_lens.data_ptr(), len(chunks.seq_lens_list), out.data_ptr(),
         work.data_ptr(), scale)
 
 
-# Prompts take the AMX kernel where it is available and the prefill routing allows (CppAttentionBackend.prefill);
+# Prompts take the bfloat16 kernel where it is available and the prefill routing allows (CppAttentionBackend.prefill);
 # False sends them all to the other paths (in-engine comparisons and tests set it so)
-AMX_PREFILL = True
+BF16_PREFILL = True
 
 
 class CppAttentionBackend(KernelBackend):
@@ -397,7 +406,7 @@ class CppAttentionBackend(KernelBackend):
     one_group = True
 
     def __init__(self, strict: bool = True, bf16_prompts: bool = False) -> None:
-        """bf16_prompts: float32 prompts over a 16-bit cache may take the AMX tiles too, the queries rounded to
+        """bf16_prompts: float32 prompts over a 16-bit cache may take the bfloat16 kernel too, the queries rounded to
         bfloat16 and a float16 cache's K and V as well, in the packing pass (the engine sets it under --quantization,
         whose linears round their inputs to 8 bits of mantissa already). Without it such prompts stay in float32
         arithmetic: on the default model the tiles took a float32 model's float16 cache from 0.0009 to 0.0084 mean
@@ -439,40 +448,40 @@ class CppAttentionBackend(KernelBackend):
 
     def prefill_chunks(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> None:
-        # Chunks for the AMX tiles with a float32 output: all of the step's in one call (paged_prefill_amx_chunks),
-        # where a call per chunk cost ~30-50 us of Python each (a 2,048-token prompt step of the default model has ~7
-        # chunks in each of its 30 layers) and left each call's last tiles to one thread: 1.015x on 128 q4_1 prompts
-        # (BENCHMARKS.md, "Each thread its own rows")
-        if (meta.prefill_idx and self._amx_prompts(q, kv_cache) and out.dtype == torch.float32
+        # Chunks for the bfloat16 kernel with a float32 output: all of the step's in one call
+        # (paged_prefill_bf16_chunks), where a call per chunk cost ~30-50 us of Python each (a 2,048-token prompt
+        # step of the default model has ~7 chunks in each of its 30 layers) and left each call's last tiles to one
+        # thread: 1.015x on 128 q4_1 prompts (BENCHMARKS.md, "Each thread its own rows")
+        if (meta.prefill_idx and self._bf16_kernel_prompts(q, kv_cache) and out.dtype == torch.float32
                 and out.is_contiguous()):
-            paged_prefill_amx_chunks(q, kv_cache, meta.prompt_chunks(), scale, out)
+            paged_prefill_bf16_chunks(q, kv_cache, meta.prompt_chunks(), scale, out)
             return
         # Float32 chunks for the loop kernel likewise (paged_prefill_chunks), the queries read in place: a call per
         # chunk also copied its queries out of the q/k/v rows (~40 us each); 128 q4_1 prompts 0.99x and 1.02x in two
         # A/Bs (noise), their attention 3.79 -> 3.07 s under cProfile (Zen 4, BENCHMARKS.md, "Float32 prompt steps")
         if (meta.prefill_idx and q.dtype == out.dtype == torch.float32 and out.is_contiguous()
                 and q.stride()[1:] == (q.shape[2], 1) and not self.fallback and supports(kv_cache, q.dtype)
-                and not self._amx_prompts(q, kv_cache)
+                and not self._bf16_kernel_prompts(q, kv_cache)
                 and all(prefill_in_kernel(q.dtype, meta.query_start_loc[i + 1] - meta.query_start_loc[i],
                                           meta.seq_lens[i], kv_cache.k.dtype) for i in meta.prefill_idx)):
             paged_prefill_chunks(q, kv_cache, meta.prompt_chunks(), scale, out)
             return
         super().prefill_chunks(out, q, k, v, kv_cache, meta, scale)
 
-    def _amx_prompts(self, q: torch.Tensor, kv_cache: PagedKVCache) -> bool:
-        """Whether prompt chunks of q's dtype over this cache take the AMX tiles: bfloat16 queries over a 16-bit
-        cache, any queries over an int8 one (whose values are 8-bit already) and, under bf16_prompts, over a 16-bit
-        one, where the CPU has them."""
+    def _bf16_kernel_prompts(self, q: torch.Tensor, kv_cache: PagedKVCache) -> bool:
+        """Whether prompt chunks of q's dtype over this cache take the bfloat16 kernel: bfloat16 queries over a 16-bit
+        cache, any queries over an int8 one (whose values are 8-bit already; on AMX tiles only) and, under
+        bf16_prompts, over a 16-bit one, where the CPU has the instructions (bf16_prefill_available)."""
         return (not self.fallback and supports(kv_cache, q.dtype)
                 and (q.dtype == torch.bfloat16 or kv_cache.k.dtype == torch.int8 or self.bf16_prompts)
-                and amx_prefill_available(kv_cache, q.shape[1]))
+                and bf16_prefill_available(kv_cache, q.shape[1]))
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
                  block_table: torch.Tensor, seq_len: int, scale: float, out: torch.Tensor | None) -> torch.Tensor:
         if self.fallback or not supports(kv_cache, q.dtype):
             return super().prefill(q, k, v, kv_cache, block_table, seq_len, scale)
-        if self._amx_prompts(q, kv_cache):
-            return paged_prefill_amx(q, kv_cache, block_table, seq_len, scale, out=out)
+        if self._bf16_kernel_prompts(q, kv_cache):
+            return paged_prefill_bf16(q, kv_cache, block_table, seq_len, scale, out=out)
         if prefill_in_kernel(q.dtype, q.shape[0], seq_len, kv_cache.k.dtype):
             return paged_prefill(q, kv_cache, block_table, seq_len, scale, out=out)
         return super().prefill(q, k, v, kv_cache, block_table, seq_len, scale)

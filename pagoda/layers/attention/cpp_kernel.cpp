@@ -731,7 +731,7 @@ extern "C" void pagoda_paged_prefill(const float* q_in, const elem_t* k, const e
 // elements apart, a view into the q/k/v projection's rows, read in place), the context length seq_lens[s] and its
 // block table at tables + table_starts[s]. The tiles of all chunks go longest context first, so that no call's last
 // tiles are left to one thread and no Python runs between chunks (the same arguments as
-// pagoda_paged_prefill_amx_chunks).
+// pagoda_paged_prefill_bf16_chunks).
 extern "C" void pagoda_paged_prefill_chunks(const float* q_in, int64_t q_stride, const elem_t* k, const elem_t* v,
                                             const uint16_t* ks, const uint16_t* vs, const float* table,
                                             const int64_t* tables, const int64_t* table_starts, const int64_t* starts,
@@ -759,12 +759,12 @@ extern "C" void pagoda_paged_prefill_chunks(const float* q_in, int64_t q_stride,
 }
 
 #if (((PAGODA_ELEM == 1 || PAGODA_ELEM == 2) && PAGODA_SCALES == 0) || (PAGODA_ELEM == 3 && PAGODA_SCALES == 1)) && \
-    PAGODA_D % 32 == 0 && PAGODA_BS % 16 == 0 && defined(__AMX_TILE__) && defined(__AMX_BF16__) &&                 \
-    defined(__AVX512BF16__) && !defined(PAGODA_PORTABLE)
-// Prompt attention on AMX tiles, for bfloat16 queries over a bfloat16 cache (or a float16 or int8 one, below): the
-// float32 loop above does ~16 multiply-adds per instruction, the tiles' dot products 16 x 16 x 32 each. Flash
-// attention: a work item is 16 consecutive query rows of the G query heads of one KV head, which share each step's
-// K and V (in L1); for each step of 64 keys and each head:
+    PAGODA_D % 32 == 0 && PAGODA_BS % 16 == 0 && defined(__AVX512F__) && defined(__AVX512BF16__) && \
+    !defined(PAGODA_PORTABLE)
+// Prompt attention in bfloat16 arithmetic on AMX tiles, for bfloat16 queries over a bfloat16 cache (or a float16 or
+// int8 one, below): the float32 loop above does ~16 multiply-adds per instruction, the tiles' dot products
+// 16 x 16 x 32 each. Flash attention: a work item is 16 consecutive query rows of the G query heads of one KV head,
+// which share each step's K and V (in L1); for each step of 64 keys and each head:
 //   scores (16 x 64 float32, four tiles) = q (16 x D) . K^T, each tile summed over D in steps of 32;
 //   an online softmax per row in vector code (scale, causal mask, running max and sum, 2^x to degree 4);
 //   the weights rounded to bfloat16 (as SDPA's flash kernel rounds them), then out (16 x D) += weights . V,
@@ -780,7 +780,19 @@ extern "C" void pagoda_paged_prefill_chunks(const float* q_in, int64_t q_stride,
 // at 512 tokens, 1.7x at 128.
 // Tiles 0-3: scores, then 64 columns of out; 4 and 6: q's halves of 32 columns, then the weights (A operands);
 // 5 and 7: K or V (B), alternated. All are 16 rows of 64 bytes (AmxTiles, cpp_vector.h).
-namespace amx {
+//
+// Where the compiler targets AVX-512 BF16 but not AMX (Zen 4), the same kernel runs the tiles' products in vector
+// instructions (PAGODA_AMX_TILES 0): vdpbf16ps adds two bfloat16 products into each of 16 float32 lanes, twice the
+// multiply-adds of a float32 FMA, on the same packed layout, the same softmax and the same roundings. On the Zen 4
+// machine, 1.57-1.81x the loop kernel's speed over a float16 cache on 512-2,048 fresh tokens, 1.17x at 128, 1.08x
+// for 16 queries after 512 tokens; at 2,048 tokens ~350 GFLOP/s, about the dot products' peak there (BENCHMARKS.md,
+// "Prompt attention in bfloat16 dot products"). PAGODA_NO_AMX builds it so on an AMX machine.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(PAGODA_NO_AMX)
+#define PAGODA_AMX_TILES 1
+#else
+#define PAGODA_AMX_TILES 0
+#endif
+namespace tiles {
 constexpr int64_t KC = 64;  // keys per step
 
 static inline __m512 vf_to_m512(vf x) {
@@ -798,15 +810,18 @@ static inline __m256i bf16x16(const elem_t* p) {
   return (__m256i)_mm512_cvtneps_pbh(vf_to_m512(load16(p, nullptr)));
 #endif
 }
-}  // namespace amx
+}  // namespace tiles
 
-// 0 once the OS lets this process use AMX tile data (Linux asks each process to request it), else -1.
+#if PAGODA_AMX_TILES
+// 0 once the OS lets this process use AMX tile data (Linux asks each process to request it), else -1. Only in
+// builds whose kernel runs on the tiles.
 extern "C" int pagoda_amx_init() {
   return amx_granted() ? 0 : -1;
 }
+#endif
 
-namespace amx {
-// One prompt chunk of an AMX call: n queries, the first at row q0 of the call's q and out, the last at position
+namespace tiles {
+// One prompt chunk of a call: n queries, the first at row q0 of the call's q and out, the last at position
 // seq_len - 1 of its sequence; its block table; where its context goes packed (kp, vp: K as (HKV, D / 2, lp, 2),
 // rows ks apart, V as (HKV, lp / 2, D, 2)) and, for an int8 cache, its scales per (KV head, key) as float32 (ksp,
 // vsp; zeros past seq_len).
@@ -825,16 +840,16 @@ static inline int64_t packed_elems(int64_t seq_len) {
   const int64_t lp = (seq_len + KC - 1) / KC * KC;
   return 2 * HKV * (lp + 8) * D;
 }
-}  // namespace amx
+}  // namespace tiles
 
 // Prompt attention on the tiles for S chunks (of one or more sequences) in one parallel region: first every chunk's
 // context is packed, then the tiles of 16 queries of all chunks are attended, the longest first (the dynamic
 // schedule then balances the short ones; a call per chunk left each call's last items to one thread). q rows q_stride
 // elements apart, float32 (q_f32) or bfloat16; out (rows, HQ, D) float32, the chunks' rows where their queries are.
-static void prefill_amx(const void* q_in, int64_t q_stride, bool q_f32, const elem_t* k, const elem_t* v,
-                        const _Float16* kscale, const _Float16* vscale, amx::Chunk* chunks, int64_t S, float* out,
-                        uint16_t* work, float qscale) {
-  using namespace amx;
+static void prefill_bf16(const void* q_in, int64_t q_stride, bool q_f32, const elem_t* k, const elem_t* v,
+                         const _Float16* kscale, const _Float16* vscale, tiles::Chunk* chunks, int64_t S, float* out,
+                         uint16_t* work, float qscale) {
+  using namespace tiles;
   [[maybe_unused]] const bool scaled = kscale != nullptr;
   // Lay the chunks' packed contexts and scales out, and list the work items of both passes
   int64_t scale_elems = 0;
@@ -923,7 +938,9 @@ static void prefill_amx(const void* q_in, int64_t q_stride, bool q_f32, const el
       }
     }
     // The implicit barrier above: every tile below reads the whole packed context of its chunk.
+#if PAGODA_AMX_TILES
     const AmxTiles tiles_in_use;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < n_tiles; ++item) {
       // A tile of 16 query rows for the G query heads of KV head h, which share each step's K and V (in L1)
@@ -958,7 +975,9 @@ static void prefill_amx(const void* q_in, int64_t q_stride, bool q_f32, const el
       alignas(64) float acc[G][16 * D] = {};
       alignas(64) float sc[16 * KC];
       alignas(64) uint16_t pw[G][16 * KC];
+#if PAGODA_AMX_TILES
       alignas(64) float ob[16 * KC];  // 16 rows of up to 64 columns of out
+#endif
       alignas(64) float m[G][16];  // running maxima, rows of one vector
       alignas(64) float l[G][16];   // running sums, the same
       alignas(64) float cr[G][16];  // the step's corrections of acc (softmax), applied with its sums (weigh)
@@ -971,6 +990,7 @@ static void prefill_amx(const void* q_in, int64_t q_stride, bool q_f32, const el
       // that a dot product still reads waits for it, and a dot product into the tile the previous one wrote
       // waits for its result; so loads alternate between tiles 5 and 7, q's halves of 32 between 4 and 6,
       // and consecutive dot products go to different accumulators.
+#if PAGODA_AMX_TILES
       auto scores = [&](int64_t kc, int64_t g) {
         _tile_zero(0);
         _tile_zero(1);
@@ -1001,6 +1021,38 @@ static void prefill_amx(const void* q_in, int64_t q_stride, bool q_f32, const el
         _tile_stored(2, sc + 32, KC * 4);
         _tile_stored(3, sc + 48, KC * 4);
       };
+#else
+      // Scores in vector instructions: vdpbf16ps adds two products of bfloat16 pairs into each float32 lane; the
+      // lanes are 16 keys (K's pairs of rows d, d + 1 side by side, as the tiles take them), each query row's pair
+      // broadcast. Four rows by the step's four vectors of keys at a time: 16 accumulators, each K load shared by
+      // four rows, K's 8 KB of the step reread from L1 by each group of rows.
+      auto scores = [&](int64_t kc, int64_t g) {
+        constexpr int64_t KV = KC / L;  // vectors of keys
+        constexpr int64_t RB = 4;       // rows at a time
+        const uint16_t* kb = kp + h * D / 2 * ks + kc * 2;
+        for (int64_t r0 = 0; r0 < 16; r0 += RB) {
+          __m512 a[RB][KV];
+          for (int64_t r = 0; r < RB; ++r) {
+            for (int64_t c = 0; c < KV; ++c) a[r][c] = _mm512_setzero_ps();
+          }
+          const uint16_t* qr = qb[g] + r0 * D;
+#pragma GCC unroll 4
+          for (int64_t p = 0; p < D / 2; ++p) {
+            __m512bh kv[KV];
+            for (int64_t c = 0; c < KV; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kb + p * ks + c * 2 * L);
+            for (int64_t r = 0; r < RB; ++r) {
+              uint32_t pair;
+              std::memcpy(&pair, qr + r * D + 2 * p, sizeof(pair));
+              const __m512bh qv = (__m512bh)_mm512_set1_epi32(int32_t(pair));
+              for (int64_t c = 0; c < KV; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], qv, kv[c]);
+            }
+          }
+          for (int64_t r = 0; r < RB; ++r) {
+            for (int64_t c = 0; c < KV; ++c) _mm512_store_ps(sc + (r0 + r) * KC + c * L, a[r][c]);
+          }
+        }
+      };
+#endif
       // The online softmax over sc for query head g: weights (bfloat16) into pw[g], l[g] updated, the corrections of
       // acc[g] into cr[g] (weigh applies them in its pass over acc).
       auto softmax = [&](int64_t kc, int64_t g) {
@@ -1065,6 +1117,7 @@ static void prefill_amx(const void* q_in, int64_t q_stride, bool q_f32, const el
         lv = lv * corr + fold_each(vsum, [](vf a, vf b) { return a + b; });
         std::memcpy(l[g], &lv, sizeof(vf));
       };
+#if PAGODA_AMX_TILES
       // acc[g] += pw[g] . V for keys kc .. kc + KC - 1, out's columns 64 at a time in tiles 0-3 (D is a multiple
       // of 32: the last group may have two).
       auto weigh = [&](int64_t kc, int64_t g) {
@@ -1111,6 +1164,38 @@ static void prefill_amx(const void* q_in, int64_t q_stride, bool q_f32, const el
           }
         }
       };
+#else
+      // acc[g] = acc[g] * the step's corrections + pw[g] . V in vector instructions: the lanes are 16 of out's
+      // columns (V's pairs of keys side by side), each row's pair of weights broadcast; RB rows by all of D at
+      // a time, the accumulators loaded from acc and rescaled first.
+      auto weigh = [&](int64_t kc, int64_t g) {
+        constexpr int64_t NV = D / L;  // vectors of columns
+        constexpr int64_t RB = NV >= 16 ? 1 : 16 / NV;  // rows at a time: 16 accumulators
+        const uint16_t* vb = vp + (h * lp / 2 + kc / 2) * D * 2;
+        for (int64_t r0 = 0; r0 < 16; r0 += RB) {
+          __m512 a[RB][NV];
+          for (int64_t r = 0; r < RB; ++r) {
+            const __m512 c = _mm512_set1_ps(cr[g][r0 + r]);
+            for (int64_t i = 0; i < NV; ++i) a[r][i] = _mm512_mul_ps(_mm512_load_ps(acc[g] + (r0 + r) * D + i * L), c);
+          }
+          const uint16_t* wr = pw[g] + r0 * KC;
+#pragma GCC unroll 4
+          for (int64_t p = 0; p < KC / 2; ++p) {
+            __m512bh vv[NV];
+            for (int64_t i = 0; i < NV; ++i) vv[i] = (__m512bh)_mm512_loadu_si512(vb + (p * D + i * L) * 2);
+            for (int64_t r = 0; r < RB; ++r) {
+              uint32_t pair;
+              std::memcpy(&pair, wr + r * KC + 2 * p, sizeof(pair));
+              const __m512bh wv = (__m512bh)_mm512_set1_epi32(int32_t(pair));
+              for (int64_t i = 0; i < NV; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], wv, vv[i]);
+            }
+          }
+          for (int64_t r = 0; r < RB; ++r) {
+            for (int64_t i = 0; i < NV; ++i) _mm512_store_ps(acc[g] + (r0 + r) * D + i * L, a[r][i]);
+          }
+        }
+      };
+#endif
       // Each step: all G heads' scores and softmaxes, then their weighted sums of V. A tile load of weights
       // right after the vector stores that wrote them waits for the stores to reach L1 (~14% of the kernel's
       // `perf` samples when each head's weights were loaded at once); by then only the last head's may wait.
@@ -1135,27 +1220,27 @@ static void prefill_amx(const void* q_in, int64_t q_stride, bool q_f32, const el
 
 // As pagoda_paged_prefill, for a bfloat16, float16 or int8 cache: q (n, HQ, D), its token rows q_stride elements
 // apart, float32 (q_f32 1: rounded to bfloat16 here, to nearest even) or bfloat16 (0); work holds the packed K and V,
-// amx::packed_elems(seq_len) bfloat16 (_amx_work_elems); kscale and vscale an int8 cache's scales (else null).
-extern "C" void pagoda_paged_prefill_amx(const void* q_in, int64_t q_stride, int64_t q_f32, const elem_t* k,
-                                         const elem_t* v, const void* kscale, const void* vscale,
-                                         const int64_t* block_table, int64_t n, int64_t seq_len, float* out,
-                                         uint16_t* work, float qscale) {
-  amx::Chunk chunk{0, n, seq_len, block_table};
-  prefill_amx(q_in, q_stride, q_f32 != 0, k, v, static_cast<const _Float16*>(kscale),
+// tiles::packed_elems(seq_len) bfloat16 (_bf16_work_elems); kscale and vscale an int8 cache's scales (else null).
+extern "C" void pagoda_paged_prefill_bf16(const void* q_in, int64_t q_stride, int64_t q_f32, const elem_t* k,
+                                          const elem_t* v, const void* kscale, const void* vscale,
+                                          const int64_t* block_table, int64_t n, int64_t seq_len, float* out,
+                                          uint16_t* work, float qscale) {
+  tiles::Chunk chunk{0, n, seq_len, block_table};
+  prefill_bf16(q_in, q_stride, q_f32 != 0, k, v, static_cast<const _Float16*>(kscale),
               static_cast<const _Float16*>(vscale), &chunk, 1, out, work, qscale);
 }
 
 // The same for a step's S prompt chunks in one call: chunk s has the counts[s] query rows from starts[s] of q and out
 // (the step's rows, q_stride elements apart in q), the context length seq_lens[s] and its block table at tables +
-// table_starts[s]; work holds the sum of each chunk's packed K and V, as pagoda_paged_prefill_amx's.
-extern "C" void pagoda_paged_prefill_amx_chunks(const void* q_in, int64_t q_stride, int64_t q_f32, const elem_t* k,
-                                                const elem_t* v, const void* kscale, const void* vscale,
-                                                const int64_t* tables, const int64_t* table_starts,
-                                                const int64_t* starts, const int64_t* counts, const int64_t* seq_lens,
-                                                int64_t S, float* out, uint16_t* work, float qscale) {
-  std::vector<amx::Chunk> chunks(S);
-  for (int64_t s = 0; s < S; ++s) chunks[s] = amx::Chunk{starts[s], counts[s], seq_lens[s], tables + table_starts[s]};
-  prefill_amx(q_in, q_stride, q_f32 != 0, k, v, static_cast<const _Float16*>(kscale),
+// table_starts[s]; work holds the sum of each chunk's packed K and V, as pagoda_paged_prefill_bf16's.
+extern "C" void pagoda_paged_prefill_bf16_chunks(const void* q_in, int64_t q_stride, int64_t q_f32,
+                                                 const elem_t* k, const elem_t* v, const void* kscale,
+                                                 const void* vscale, const int64_t* tables, const int64_t* table_starts,
+                                                 const int64_t* starts, const int64_t* counts, const int64_t* seq_lens,
+                                                 int64_t S, float* out, uint16_t* work, float qscale) {
+  std::vector<tiles::Chunk> chunks(S);
+  for (int64_t s = 0; s < S; ++s) chunks[s] = tiles::Chunk{starts[s], counts[s], seq_lens[s], tables + table_starts[s]};
+  prefill_bf16(q_in, q_stride, q_f32 != 0, k, v, static_cast<const _Float16*>(kscale),
               static_cast<const _Float16*>(vscale), chunks.data(), S, out, work, qscale);
 }
 #endif
