@@ -1227,7 +1227,7 @@ extern "C" void pagoda_paged_prefill_bf16(const void* q_in, int64_t q_stride, in
                                           uint16_t* work, float qscale) {
   tiles::Chunk chunk{0, n, seq_len, block_table};
   prefill_bf16(q_in, q_stride, q_f32 != 0, k, v, static_cast<const _Float16*>(kscale),
-              static_cast<const _Float16*>(vscale), &chunk, 1, out, work, qscale);
+               static_cast<const _Float16*>(vscale), &chunk, 1, out, work, qscale);
 }
 
 // The same for a step's S prompt chunks in one call: chunk s has the counts[s] query rows from starts[s] of q and out
@@ -1241,7 +1241,7 @@ extern "C" void pagoda_paged_prefill_bf16_chunks(const void* q_in, int64_t q_str
   std::vector<tiles::Chunk> chunks(S);
   for (int64_t s = 0; s < S; ++s) chunks[s] = tiles::Chunk{starts[s], counts[s], seq_lens[s], tables + table_starts[s]};
   prefill_bf16(q_in, q_stride, q_f32 != 0, k, v, static_cast<const _Float16*>(kscale),
-              static_cast<const _Float16*>(vscale), chunks.data(), S, out, work, qscale);
+               static_cast<const _Float16*>(vscale), chunks.data(), S, out, work, qscale);
 }
 #endif
 
