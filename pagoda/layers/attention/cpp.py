@@ -336,7 +336,7 @@ def _amx_granted(lib: Any) -> bool:
 
 
 def paged_prefill_bf16(q: torch.Tensor, kv_cache: PagedKVCache, block_table: torch.Tensor, seq_len: int,
-                      scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                       scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """paged_prefill in bfloat16 arithmetic (bf16_prefill_available): q rounded to bfloat16 where it is not, over a
     bfloat16 cache, a float16 one (its values rounded to bfloat16) or an int8 one (its values exact in bfloat16, their
     scales applied in float32); the result in q's dtype (into out, as paged_prefill's)."""
@@ -348,8 +348,8 @@ def paged_prefill_bf16(q: torch.Tensor, kv_cache: PagedKVCache, block_table: tor
     out = _output(q, out)
     scales = tuple(None if t is None else t.data_ptr() for t in (kv_cache.k_scale, kv_cache.v_scale))
     lib.pagoda_paged_prefill_bf16(qk.data_ptr(), qk.stride(0), int(qk.dtype == torch.float32), kv_cache.k.data_ptr(),
-                                 kv_cache.v.data_ptr(), *scales, bt.data_ptr(), n, seq_len, out.data_ptr(),
-                                 work.data_ptr(), scale)
+                                  kv_cache.v.data_ptr(), *scales, bt.data_ptr(), n, seq_len, out.data_ptr(),
+                                  work.data_ptr(), scale)
     return out.to(q.dtype)
 
 
@@ -373,7 +373,7 @@ def _bf16_queries(q: torch.Tensor) -> torch.Tensor:
 
 
 def paged_prefill_bf16_chunks(q: torch.Tensor, kv_cache: PagedKVCache, chunks: PromptChunks, scale: float,
-                             out: torch.Tensor) -> None:
+                              out: torch.Tensor) -> None:
     """paged_prefill_bf16 for all of a step's prompt chunks in one kernel call (one parallel region: every chunk's
     context packed, then all their tiles of queries balanced between the threads, the longest first): q (T, Hq, D)
     the step's queries, out (T, Hq, D) float32 contiguous the step's output, whose chunks' rows it writes."""
