@@ -283,6 +283,30 @@ def test_bf16_kernel_in_vector_instructions(monkeypatch: pytest.MonkeyPatch) -> 
         assert (got.double() - want).abs().max() > 1e-5  # bfloat16 arithmetic, not the float32 loop
 
 
+def test_bf16_kernel_on_amx_tiles_compiles_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AMX variant of the bfloat16 prompt kernel, built for AMX on any x86-64 CPU (`-mamx-*`; only run where the
+    CPU has the tiles, the tests above): it compiles, over float16, bfloat16 and int8 caches, and exports the entry
+    points and `pagoda_amx_init`, which grants the tiles only where the CPU has them. So a machine without AMX still
+    catches an AMX-only build error."""
+    import ctypes
+    import platform
+
+    import pagoda.layers.attention.cpp as cpp
+    from tests.layers.test_kv_quant import make_cache
+
+    if platform.machine() != "x86_64":
+        pytest.skip("AMX is x86-64 only")
+    cpu_has_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    monkeypatch.setattr(cpp, "load_library", lambda src, defines, flags=(), rev=None, load=cpp.load_library:
+                        load(src, defines, (*flags, "-mamx-tile", "-mamx-bf16", "-mamx-int8"), rev))
+    for spec in (KVCacheSpec(torch.float16), KVCacheSpec(torch.bfloat16), KVCacheSpec(torch.int8, "token")):
+        cache = make_cache(spec, num_blocks=2, block_size=16, hkv=3, d=64)
+        lib = cpp._library.__wrapped__(*cpp._library_args(cache, 9))
+        assert hasattr(lib, "pagoda_paged_prefill_bf16") and hasattr(lib, "pagoda_paged_prefill_bf16_chunks")
+        lib.pagoda_amx_init.restype = ctypes.c_int
+        assert (lib.pagoda_amx_init() == 0) == cpu_has_amx, spec
+
+
 def test_cpp_backend_falls_back_to_sdpa_where_the_kernel_does_not_apply() -> None:
     from tests.layers.test_kv_quant import make_cache
 
