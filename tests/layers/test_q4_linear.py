@@ -407,3 +407,19 @@ def test_the_build_says_which_kernels_it_runs(caplog: pytest.LogCaptureFixture) 
 
 def q4_library_flag(portable: bool) -> int:
     return int(q4_linear.q4_library(portable).pagoda_q4_vectorized())
+
+
+def test_amx_tiles_compile_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Q4_1/Q8_0 kernels' AMX variant (q4amx), built for AMX on any x86-64 CPU (`-mamx-*`; only run where the
+    CPU has the tiles, the tests above): it compiles and takes the tiles only where the CPU has them. So a machine
+    without AMX still catches an AMX-only build error (the VNNI and AVX2 builds do not compile that code)."""
+    import platform
+
+    if platform.machine() != "x86_64" or "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("the AMX variant is built for x86-64 CPUs with AVX-512 BF16")
+    monkeypatch.setattr(q4_linear, "load_library", lambda src, defines, flags=(), rev=None,
+                        load=q4_linear.load_library: load(src, defines, (*flags, "-mamx-tile", "-mamx-bf16",
+                                                                         "-mamx-int8"), rev=rev))
+    lib = q4_linear.q4_library.__wrapped__()
+    assert hasattr(lib, "pagoda_q4_amx_min_rows")
+    assert bool(lib.pagoda_q4_amx()) == ("amx_bf16" in Path("/proc/cpuinfo").read_text())
