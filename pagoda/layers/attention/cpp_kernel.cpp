@@ -1025,9 +1025,10 @@ static void prefill_bf16(const void* q_in, int64_t q_stride, bool q_f32, const e
       // Scores in vector instructions: vdpbf16ps adds two products of bfloat16 pairs into each float32 lane; the
       // lanes are 16 keys (K's pairs of rows d, d + 1 side by side, as the tiles take them), each query row's pair
       // broadcast. Four rows by the step's four vectors of keys at a time: 16 accumulators, each K load shared by
-      // four rows, K's 8 KB of the step reread from L1 by each group of rows.
-      auto scores = [&](int64_t kc, int64_t g) {
-        constexpr int64_t KV = KC / L;  // vectors of keys
+      // four rows, K's 8 KB of the step reread from L1 by each group of rows. KV vectors of keys: on the causal
+      // diagonal, the step's vectors past the tile's last row's keys are masked for every row, and are not computed
+      // (their scores are set to 0, which the softmax masks).
+      auto scores_of = [&]<int64_t KV>(int64_t kc, int64_t g) {
         constexpr int64_t RB = 4;       // rows at a time
         const uint16_t* kb = kp + h * D / 2 * ks + kc * 2;
         for (int64_t r0 = 0; r0 < 16; r0 += RB) {
@@ -1049,7 +1050,21 @@ static void prefill_bf16(const void* q_in, int64_t q_stride, bool q_f32, const e
           }
           for (int64_t r = 0; r < RB; ++r) {
             for (int64_t c = 0; c < KV; ++c) _mm512_store_ps(sc + (r0 + r) * KC + c * L, a[r][c]);
+            for (int64_t c = KV; c < KC / L; ++c) _mm512_store_ps(sc + (r0 + r) * KC + c * L, _mm512_setzero_ps());
           }
+        }
+      };
+      static_assert(KC / L == 4, "the steps below take 1 to 4 vectors of keys");
+      auto scores = [&](int64_t kc, int64_t g) {
+        const int64_t keys = std::min<int64_t>(KC, last - kc);  // that some row of the tile sees
+        if (keys > 3 * L) {
+          scores_of.template operator()<4>(kc, g);
+        } else if (keys > 2 * L) {
+          scores_of.template operator()<3>(kc, g);
+        } else if (keys > L) {
+          scores_of.template operator()<2>(kc, g);
+        } else {
+          scores_of.template operator()<1>(kc, g);
         }
       };
 #endif
@@ -1167,11 +1182,12 @@ static void prefill_bf16(const void* q_in, int64_t q_stride, bool q_f32, const e
 #else
       // acc[g] = acc[g] * the step's corrections + pw[g] . V in vector instructions: the lanes are 16 of out's
       // columns (V's pairs of keys side by side), each row's pair of weights broadcast; RB rows by all of D at
-      // a time, the accumulators loaded from acc and rescaled first.
+      // a time, the accumulators loaded from acc and rescaled first. Only the pairs of keys that some row sees.
       auto weigh = [&](int64_t kc, int64_t g) {
         constexpr int64_t NV = D / L;  // vectors of columns
         constexpr int64_t RB = NV >= 16 ? 1 : 16 / NV;  // rows at a time: 16 accumulators
         const uint16_t* vb = vp + (h * lp / 2 + kc / 2) * D * 2;
+        const int64_t pairs = (std::min<int64_t>(KC, last - kc) + 1) / 2;
         for (int64_t r0 = 0; r0 < 16; r0 += RB) {
           __m512 a[RB][NV];
           for (int64_t r = 0; r < RB; ++r) {
@@ -1180,7 +1196,7 @@ static void prefill_bf16(const void* q_in, int64_t q_stride, bool q_f32, const e
           }
           const uint16_t* wr = pw[g] + r0 * KC;
 #pragma GCC unroll 4
-          for (int64_t p = 0; p < KC / 2; ++p) {
+          for (int64_t p = 0; p < pairs; ++p) {
             __m512bh vv[NV];
             for (int64_t i = 0; i < NV; ++i) vv[i] = (__m512bh)_mm512_loadu_si512(vb + (p * D + i * L) * 2);
             for (int64_t r = 0; r < RB; ++r) {
