@@ -810,6 +810,27 @@ static inline __m256i bf16x16(const elem_t* p) {
   return (__m256i)_mm512_cvtneps_pbh(vf_to_m512(load16(p, nullptr)));
 #endif
 }
+
+#if !PAGODA_AMX_TILES
+// A tile product in vector instructions: for p < pairs, row r's pair of bfloat16 values at x + r * x_stride + 2p is
+// broadcast, and vdpbf16ps adds its products with B's vectors at b + p * b_stride + i * 2L (16 lanes of a pair each)
+// into a[r][i]. Each B load is shared by the RB rows.
+template <int64_t RB, int64_t NB>
+static inline void dot_pairs(__m512 (&a)[RB][NB], const uint16_t* x, int64_t x_stride, const uint16_t* b,
+                             int64_t b_stride, int64_t pairs) {
+#pragma GCC unroll 4
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh bv[NB];
+    for (int64_t i = 0; i < NB; ++i) bv[i] = (__m512bh)_mm512_loadu_si512(b + p * b_stride + i * 2 * L);
+    for (int64_t r = 0; r < RB; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(int32_t(pair));
+      for (int64_t i = 0; i < NB; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], xv, bv[i]);
+    }
+  }
+}
+#endif
 }  // namespace tiles
 
 #if PAGODA_AMX_TILES
@@ -1036,18 +1057,7 @@ static void prefill_bf16(const void* q_in, int64_t q_stride, bool q_f32, const e
           for (int64_t r = 0; r < RB; ++r) {
             for (int64_t c = 0; c < KV; ++c) a[r][c] = _mm512_setzero_ps();
           }
-          const uint16_t* qr = qb[g] + r0 * D;
-#pragma GCC unroll 4
-          for (int64_t p = 0; p < D / 2; ++p) {
-            __m512bh kv[KV];
-            for (int64_t c = 0; c < KV; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kb + p * ks + c * 2 * L);
-            for (int64_t r = 0; r < RB; ++r) {
-              uint32_t pair;
-              std::memcpy(&pair, qr + r * D + 2 * p, sizeof(pair));
-              const __m512bh qv = (__m512bh)_mm512_set1_epi32(int32_t(pair));
-              for (int64_t c = 0; c < KV; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], qv, kv[c]);
-            }
-          }
+          dot_pairs(a, qb[g] + r0 * D, D, kb, ks, D / 2);
           for (int64_t r = 0; r < RB; ++r) {
             for (int64_t c = 0; c < KV; ++c) _mm512_store_ps(sc + (r0 + r) * KC + c * L, a[r][c]);
             for (int64_t c = KV; c < KC / L; ++c) _mm512_store_ps(sc + (r0 + r) * KC + c * L, _mm512_setzero_ps());
@@ -1194,18 +1204,7 @@ static void prefill_bf16(const void* q_in, int64_t q_stride, bool q_f32, const e
             const __m512 c = _mm512_set1_ps(cr[g][r0 + r]);
             for (int64_t i = 0; i < NV; ++i) a[r][i] = _mm512_mul_ps(_mm512_load_ps(acc[g] + (r0 + r) * D + i * L), c);
           }
-          const uint16_t* wr = pw[g] + r0 * KC;
-#pragma GCC unroll 4
-          for (int64_t p = 0; p < pairs; ++p) {
-            __m512bh vv[NV];
-            for (int64_t i = 0; i < NV; ++i) vv[i] = (__m512bh)_mm512_loadu_si512(vb + (p * D + i * L) * 2);
-            for (int64_t r = 0; r < RB; ++r) {
-              uint32_t pair;
-              std::memcpy(&pair, wr + r * KC + 2 * p, sizeof(pair));
-              const __m512bh wv = (__m512bh)_mm512_set1_epi32(int32_t(pair));
-              for (int64_t i = 0; i < NV; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], wv, vv[i]);
-            }
-          }
+          dot_pairs(a, pw[g] + r0 * KC, KC, vb, 2 * D, pairs);
           for (int64_t r = 0; r < RB; ++r) {
             for (int64_t i = 0; i < NV; ++i) _mm512_store_ps(acc[g] + (r0 + r) * D + i * L, a[r][i]);
           }
