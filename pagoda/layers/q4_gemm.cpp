@@ -45,7 +45,6 @@
 #endif
 
 #include <type_traits>
-#include <vector>
 
 // 2 if this build runs the AVX-512 VNNI kernels, 1 the AVX2 ones, 0 the plain C++ ones (pagoda/layers/q4_linear.py
 // warns then).
@@ -88,58 +87,61 @@ constexpr int ROWS_TILE = ROWS;
 // about as well (BENCHMARKS.md, "Prefetching the packed weights").
 constexpr int64_t PREFETCH_RECORDS = 8;
 
+// One block of quantize (below): p (QK floats) -> out (QK int8), *dx, *sx, and *xsum where xsum is not null.
+static inline void quantize_block(const float* p, int8_t* out, float* dx, float* sx, int32_t* xsum) {
+#ifdef PAGODA_Q4_AVX2
+  __m256 v[4];
+  for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(p + 8 * j);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m256 sum = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+  float lanes[8], sums[8];
+  _mm256_storeu_ps(lanes, mx);
+  _mm256_storeu_ps(sums, sum);
+  float amax = 0.0f, s = 0.0f;
+  for (int j = 0; j < 8; ++j) {
+    amax = std::max(amax, lanes[j]);
+    s += sums[j];
+  }
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  __m256i q[4];  // rounded to nearest, ties to even (the default MXCSR mode)
+  for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+  // the packs interleave 4-value groups per 128-bit lane: (0, 4, 1, 5, 2, 6, 3, 7) puts them back in order
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  if (xsum) {  // the int32 values before packing (in -127..127: the packs do not saturate them)
+    int32_t ints[8];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ints),
+                        _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    int32_t total = 0;
+    for (int j = 0; j < 8; ++j) total += ints[j];
+    *xsum = total;
+  }
+#else
+  float amax = 0.0f, s = 0.0f;
+  for (int64_t j = 0; j < QK; ++j) {
+    amax = std::max(amax, std::fabs(p[j]));
+    s += p[j];
+  }
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t total = 0;
+  for (int64_t j = 0; j < QK; ++j) total += out[j] = int8_t(std::nearbyintf(p[j] * inv));
+  if (xsum) *xsum = total;
+#endif
+  *dx = amax / 127.0f;
+  *sx = s;
+}
+
 // x (M, K) float32 -> xq (M, K) int8, dx and sx (M, K / QK) float32, and where xsum is not null each block's sum
 // of xq (M, K / QK) int32 (the VNNI Q8_0 tile's correction, below); K a multiple of QK. Rounding is to nearest,
 // ties to even (nearbyintf in the default rounding mode), as torch.round.
 static void quantize(const float* x, int8_t* xq, float* dx, float* sx, int32_t* xsum, int64_t M, int64_t K) {
   const int64_t blocks = M * (K / QK);
 #pragma omp parallel for schedule(static) if (blocks >= 512)
-  for (int64_t i = 0; i < blocks; ++i) {
-    const float* p = x + i * QK;
-#ifdef PAGODA_Q4_AVX2
-    __m256 v[4];
-    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(p + 8 * j);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    __m256 sum = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
-    float lanes[8], sums[8];
-    _mm256_storeu_ps(lanes, mx);
-    _mm256_storeu_ps(sums, sum);
-    float amax = 0.0f, s = 0.0f;
-    for (int j = 0; j < 8; ++j) {
-      amax = std::max(amax, lanes[j]);
-      s += sums[j];
-    }
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    __m256i q[4];  // rounded to nearest, ties to even (the default MXCSR mode)
-    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
-    // the packs interleave 4-value groups per 128-bit lane: (0, 4, 1, 5, 2, 6, 3, 7) puts them back in order
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * QK),
-                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    if (xsum) {  // the int32 values before packing (in -127..127: the packs do not saturate them)
-      int32_t ints[8];
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ints),
-                          _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-      int32_t total = 0;
-      for (int j = 0; j < 8; ++j) total += ints[j];
-      xsum[i] = total;
-    }
-#else
-    float amax = 0.0f, s = 0.0f;
-    for (int64_t j = 0; j < QK; ++j) {
-      amax = std::max(amax, std::fabs(p[j]));
-      s += p[j];
-    }
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t total = 0;
-    for (int64_t j = 0; j < QK; ++j) total += xq[i * QK + j] = int8_t(std::nearbyintf(p[j] * inv));
-    if (xsum) xsum[i] = total;
-#endif
-    dx[i] = amax / 127.0f;
-    sx[i] = s;
-  }
+  for (int64_t i = 0; i < blocks; ++i)
+    quantize_block(x + i * QK, xq + i * QK, dx + i, sx + i, xsum ? xsum + i : nullptr);
 }
 
 extern "C" void pagoda_q8_quantize(const float* x, int8_t* xq, float* dx, float* sx, int64_t M, int64_t K) {
@@ -468,25 +470,72 @@ static void for_each_tile_or_pair(int64_t M, int64_t N, float* y, bool silu_mul,
   }
 }
 
-// x (M, K) rounded by quantize into the calling thread's scratch, kept between calls (thread_local: the kernels'
-// threads read it through these addresses); the blocks' sums of xq only where asked (else xsum is null).
+// Rows (M, K) rounded by quantize: xq, dx, sx and, where asked, the blocks' sums of xq (else xsum is null).
 struct Rounded {
-  const int8_t* xq;
-  const float* dx;
-  const float* sx;
-  const int32_t* xsum;
+  int8_t* xq;
+  float* dx;
+  float* sx;
+  int32_t* xsum;
 };
 
+// The buffers of a Rounded, kept between calls by their thread_local owners (the kernels' threads read them through
+// these addresses).
+struct RoundedBuffers {
+  LineAlignedBuffer<int8_t> xq;
+  LineAlignedBuffer<float> scales;
+  LineAlignedBuffer<int32_t> xsum;
+
+  Rounded reserve(int64_t M, int64_t K, bool sums) {
+    const int64_t blocks = M * (K / QK);
+    float* s = scales.reserve(2 * blocks);
+    return {xq.reserve(M * K), s, s + blocks, sums ? xsum.reserve(blocks) : nullptr};
+  }
+};
+
+// x (M, K) rounded by quantize into the calling thread's scratch.
 static Rounded round_into_scratch(const float* x, int64_t M, int64_t K, bool sums = false) {
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> scales;
-  thread_local std::vector<int32_t> xsum;
-  const int64_t blocks = M * (K / QK);
-  if (int64_t(xq.size()) < M * K) xq.resize(M * K);
-  if (int64_t(scales.size()) < 2 * blocks) scales.resize(2 * blocks);
-  if (sums && int64_t(xsum.size()) < blocks) xsum.resize(blocks);
-  quantize(x, xq.data(), scales.data(), scales.data() + blocks, sums ? xsum.data() : nullptr, M, K);
-  return {xq.data(), scales.data(), scales.data() + blocks, sums ? xsum.data() : nullptr};
+  thread_local RoundedBuffers buffers;
+  const Rounded a = buffers.reserve(M, K, sums);
+  quantize(x, a.xq, a.dx, a.sx, a.xsum, M, K);
+  return a;
+}
+
+// The gate_up projection fused with its SiLU-and-multiply, as for_each_tile_pair_silu_mul, but its output rounded for
+// the down projection as it is computed: into h (M, N / 2) as round_into_scratch would round that output (the same
+// quantize_block on the same float32 values: the same bits), so the (M, N / 2) float32 rows are neither written nor
+// read back. Threads split the output's blocks of QK columns (gate tiles 2j and 2j + 1 with their up tiles).
+template <int Rows, typename Tile>
+static void for_each_block_silu_mul_rounded(int64_t M, int64_t N, const Rounded& h, const Tile& tile) {
+  const int64_t half = N / NR / 2, I = N / 2, nb = I / QK;
+  static_assert(QK == 2 * NR, "a block of the intermediate is two tiles' columns");
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < nb; ++j) {
+    alignas(64) float g[Rows * QK], u[Rows * QK];
+    const auto block = [&](int64_t, int64_t m, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      for (int64_t c = 0; c < 2; ++c) {
+        tile(2 * j + c, m, rows, g + c * NR, QK);
+        tile(2 * j + c + half, m, rows, u + c * NR, QK);
+      }
+      constexpr int V = R * QK / L;  // vectors of the R rows' block
+      vf x[V];
+      for (int v = 0; v < V; ++v) std::memcpy(&x[v], g + v * L, sizeof(vf));
+      silu<V>(x);
+      for (int v = 0; v < V; ++v) {
+        vf up;
+        std::memcpy(&up, u + v * L, sizeof(vf));
+        const vf out = x[v] * up;
+        std::memcpy(g + v * L, &out, sizeof(vf));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m + r) * nb + j;  // the block's index in h's scales
+        quantize_block(g + r * QK, h.xq + i * QK, h.dx + i, h.sx + i, h.xsum ? h.xsum + i : nullptr);
+      }
+    };
+    int64_t m = 0;
+    for (; m + Rows <= M; m += Rows) block(j, m, std::integral_constant<int, Rows>());
+    tail_rows<Rows - 1>(block, j, m, M - m);
+  }
 }
 
 // RMSNorm with its residual add, ahead of a linear (pagoda_norm_linear, pagoda_norm_mlp): as elementwise.cpp's
@@ -798,6 +847,38 @@ extern "C" int64_t pagoda_q4_amx_min_rows() {
 #endif
 }
 
+// The tiles' calls over rows already rounded (a), for for_each_tile_or_pair and for_each_block_silu_mul_rounded:
+// tile(t, m, rows, out, stride) computes rows [m, m + rows) of tile t of the layer (w, bias, K) into out. Q8_0's
+// VNNI tile takes the blocks' sums of xq too (Q8_SUMS: a must have them).
+#ifdef PAGODA_Q4_VNNI
+constexpr bool Q8_SUMS = true;
+#else
+constexpr bool Q8_SUMS = false;
+#endif
+
+template <bool Q8>
+static auto tiles_of(const Rounded& a, const uint8_t* w, const float* bias, int64_t K) {
+  const int64_t nb = K / QK;
+  return [=](int64_t t, int64_t m, auto rows, float* out, int64_t stride) {
+    constexpr int R = decltype(rows)::value;
+    const float* b = bias ? bias + t * NR : nullptr;
+    if constexpr (!Q8) {
+      tile_rows<R>(a.xq + m * K, a.dx + m * nb, a.sx + m * nb, K, w + t * nb * RECORD_Q4, b, out, stride, m == 0);
+    } else if constexpr (Q8_SUMS) {
+      tile_rows_q8<R>(a.xq + m * K, a.dx + m * nb, a.xsum + m * nb, K, w + t * nb * RECORD_Q8, b, out, stride, m == 0);
+    } else {
+      tile_rows_q8<R>(a.xq + m * K, a.dx + m * nb, K, w + t * nb * RECORD_Q8, b, out, stride, m == 0);
+    }
+  };
+}
+
+// A Q4_1 (Q8 false) or Q8_0 layer over rows already rounded.
+template <bool Q8>
+static void packed_tiles(const Rounded& a, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                         int64_t K, bool silu_mul) {
+  for_each_tile_or_pair<ROWS_TILE>(M, N, y, silu_mul, tiles_of<Q8>(a, w, bias, K));
+}
+
 // A Q4_1 layer in one call: x (M, K) float32, w (N / NR, K / QK, RECORD_Q4) bytes, bias (N) float32 or null, y
 // (M, N) float32; N a multiple of NR, K of QK. One call a layer, not one to round and one to multiply with the
 // rounded rows in tensors: 1.7-2.1x faster at 1 row (BENCHMARKS.md). The GEMV's signature (gemv.cpp): the
@@ -811,12 +892,7 @@ static void q4_linear(const float* x, const uint8_t* w, const float* bias, float
     return;
   }
 #endif
-  const int64_t nb = K / QK;
-  const Rounded a = round_into_scratch(x, M, K);
-  for_each_tile_or_pair<ROWS_TILE>(M, N, y, silu_mul, [&](int64_t t, int64_t m, auto rows, float* out, int64_t stride) {
-    tile_rows<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, a.sx + m * nb, K, w + t * nb * RECORD_Q4,
-                                     bias ? bias + t * NR : nullptr, out, stride, m == 0);
-  });
+  packed_tiles<false>(round_into_scratch(x, M, K), w, bias, y, M, N, K, silu_mul);
 }
 
 extern "C" void pagoda_q4_linear(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N,
@@ -843,21 +919,7 @@ static void q8_linear(const float* x, const uint8_t* w, const float* bias, float
     return;
   }
 #endif
-  const int64_t nb = K / QK;
-#ifdef PAGODA_Q4_VNNI
-  const Rounded a = round_into_scratch(x, M, K, true);  // with the blocks' sums of xq, the tile's correction
-  const auto tile = [&](int64_t t, int64_t m, auto rows, float* out, int64_t stride) {
-    tile_rows_q8<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, a.xsum + m * nb, K, w + t * nb * RECORD_Q8,
-                                        bias ? bias + t * NR : nullptr, out, stride, m == 0);
-  };
-#else
-  const Rounded a = round_into_scratch(x, M, K);
-  const auto tile = [&](int64_t t, int64_t m, auto rows, float* out, int64_t stride) {
-    tile_rows_q8<decltype(rows)::value>(a.xq + m * K, a.dx + m * nb, K, w + t * nb * RECORD_Q8,
-                                        bias ? bias + t * NR : nullptr, out, stride, m == 0);
-  };
-#endif
-  for_each_tile_or_pair<ROWS_TILE>(M, N, y, silu_mul, tile);
+  packed_tiles<true>(round_into_scratch(x, M, K, Q8_SUMS), w, bias, y, M, N, K, silu_mul);
 }
 
 extern "C" void pagoda_q8_linear(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
@@ -870,10 +932,24 @@ extern "C" void pagoda_q8_linear_silu_mul(const float* x, const uint8_t* w, cons
   q8_linear(x, w, bias, y, M, N, K, true);
 }
 
+// A gated MLP without biases over rows already rounded (x, (M, H)): the gate_up pass rounds its SiLU-and-multiply
+// output for the down pass as it computes it (for_each_block_silu_mul_rounded), so the (M, I) intermediate goes to
+// the down pass in int8, not as float32 rows that the down pass reads back to round: the same bits as
+// pagoda_q4_linear_silu_mul and then pagoda_q4_linear (or q8's).
+template <bool Q8>
+static void packed_mlp_tiles(const Rounded& x, const uint8_t* w_gate_up, const uint8_t* w_down, float* y, int64_t M,
+                             int64_t H, int64_t I) {
+  thread_local RoundedBuffers hs;  // the intermediate, M x I, rounded
+  const Rounded h = hs.reserve(M, I, Q8 && Q8_SUMS);
+  for_each_block_silu_mul_rounded<ROWS_TILE>(M, 2 * I, h, tiles_of<Q8>(x, w_gate_up, nullptr, H));
+  packed_tiles<Q8>(h, w_down, nullptr, y, M, H, I, false);
+}
+
 // A gated MLP (no biases) in one call: y (M, H) = (silu(x w_gate^T) * (x w_up^T)) w_down^T, x (M, H) float32,
 // w_gate_up and w_down the two layers' records (both Q4_1 when q8 is 0, both Q8_0 when 1), I the intermediate size.
 // The same float32 bits as pagoda_q4_linear_silu_mul and then pagoda_q4_linear (or q8's): where the tiles take
-// the step the intermediate stays in bfloat16 (q4amx::mlp); elsewhere the two calls through a scratch buffer.
+// the step the intermediate stays in bfloat16 (q4amx::mlp); elsewhere it goes to the down pass rounded to int8
+// (packed_mlp_tiles).
 extern "C" void pagoda_packed_mlp(const float* x, const uint8_t* w_gate_up, const uint8_t* w_down, float* y,
                                   int64_t M, int64_t H, int64_t I, int64_t q8) {
 #ifdef PAGODA_Q4_AMX
@@ -885,33 +961,50 @@ extern "C" void pagoda_packed_mlp(const float* x, const uint8_t* w_gate_up, cons
     return;
   }
 #endif
-  thread_local LineAlignedBuffer<float> hs;  // the intermediate, M x I
-  float* h = hs.reserve(M * I);
-  const auto layer = q8 ? q8_linear : q4_linear;
-  layer(x, w_gate_up, nullptr, h, M, 2 * I, H, true);
-  layer(h, w_down, nullptr, y, M, H, I, false);
+  if (q8)
+    packed_mlp_tiles<true>(round_into_scratch(x, M, H, Q8_SUMS), w_gate_up, w_down, y, M, H, I);
+  else
+    packed_mlp_tiles<false>(round_into_scratch(x, M, H), w_gate_up, w_down, y, M, H, I);
 }
 
 // weight * rms_norm(h) of x (M, K) float32, h = residual + x with residual (M, K) updated in place to h (or h = x
-// where residual is null), into the calling thread's scratch: pagoda_add_rms_norm's float32 output, for the paths
-// that do not round the rows in the norm's pass.
-static const float* normed_rows(const float* x, const Norm& norm, int64_t M, int64_t K) {
-  thread_local LineAlignedBuffer<float> out;
-  float* o = out.reserve(M * K);
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < M; ++r) {
-    float inv;
-    const float* h = norm_row(norm, x, r, K, &inv);
-    for (int64_t i = 0; i < K; ++i) o[r * K + i] = norm.weight[i] * (h[i] * inv);
+// where residual is null), rounded by quantize_block as it is computed into the calling thread's scratch: the same
+// bits as round_into_scratch of pagoda_add_rms_norm's float32 output, without writing those rows and reading them
+// back (the paths that do not take the AMX tiles).
+static Rounded round_normed_into_scratch(const float* x, const Norm& norm, int64_t M, int64_t K, bool sums) {
+  thread_local RoundedBuffers buffers;
+  const Rounded a = buffers.reserve(M, K, sums);
+  const int64_t nb = K / QK;
+#pragma omp parallel if (M * nb >= 512)  // quantize's threshold
+  {
+    thread_local LineAlignedBuffer<float> row;  // one normalized row, in L1
+    float* o = row.reserve(K);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < M; ++r) {
+      float inv;
+      const float* h = norm_row(norm, x, r, K, &inv);
+      for (int64_t i = 0; i < K; i += L) {  // K: a multiple of QK, so of L
+        vf w, v;
+        std::memcpy(&w, norm.weight + i, sizeof(vf));
+        std::memcpy(&v, h + i, sizeof(vf));
+        v = w * (v * inv);
+        std::memcpy(o + i, &v, sizeof(vf));
+      }
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t i = r * nb + b;
+        quantize_block(o + b * QK, a.xq + i * QK, a.dx + i, a.sx + i, sums ? a.xsum + i : nullptr);
+      }
+    }
   }
-  return o;
+  return a;
 }
 
 // RMSNorm with its residual add (pagoda_add_rms_norm's, float32) and the linear after it in one call: y = the
 // Q4_1 (q8 0) or Q8_0 (q8 1) layer of weight * rms_norm(h), h = residual + x, residual (M, K) updated in place to h
 // (null: h = x); norm_weight (K), eps the norm's; w, bias, y, M, N, K as pagoda_q4_linear's. The same float32 bits
 // as the two calls. Where the AMX tiles take the step the norm's pass writes its output straight into the tiles'
-// bfloat16 rows (the float32 rows are not written and read back); elsewhere the two calls through a scratch buffer.
+// bfloat16 rows, elsewhere into the int8 rows the tiles read (round_normed_into_scratch): either way the float32
+// rows are not written and read back.
 extern "C" void pagoda_norm_linear(const float* x, float* residual, const float* norm_weight, float eps,
                                    const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
                                    int64_t q8) {
@@ -925,7 +1018,10 @@ extern "C" void pagoda_norm_linear(const float* x, float* residual, const float*
     return;
   }
 #endif
-  (q8 ? q8_linear : q4_linear)(normed_rows(x, norm, M, K), w, bias, y, M, N, K, false);
+  if (q8)
+    packed_tiles<true>(round_normed_into_scratch(x, norm, M, K, Q8_SUMS), w, bias, y, M, N, K, false);
+  else
+    packed_tiles<false>(round_normed_into_scratch(x, norm, M, K, false), w, bias, y, M, N, K, false);
 }
 
 // The same ahead of a gated MLP: y (M, H) = pagoda_packed_mlp of weight * rms_norm(h), h = residual + x (M, H).
@@ -942,5 +1038,8 @@ extern "C" void pagoda_norm_mlp(const float* x, float* residual, const float* no
     return;
   }
 #endif
-  pagoda_packed_mlp(normed_rows(x, norm, M, H), w_gate_up, w_down, y, M, H, I, q8);
+  if (q8)
+    packed_mlp_tiles<true>(round_normed_into_scratch(x, norm, M, H, Q8_SUMS), w_gate_up, w_down, y, M, H, I);
+  else
+    packed_mlp_tiles<false>(round_normed_into_scratch(x, norm, M, H, false), w_gate_up, w_down, y, M, H, I);
 }

@@ -229,13 +229,20 @@ class PackedLinear:
                                        x2.shape[0], self.in_features, down.in_features, int(isinstance(self, Q8Linear)))
         return y.reshape(*x.shape[:-1], self.in_features)
 
-    def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
-        """Whether after_norm serves this norm's input: float32 rows (T, in_features) contiguous, a residual alike or
-        None, a float32 norm weight, and steps the AMX tiles take (amx_rows), the only ones where the fused norm
-        saves a pass (BENCHMARKS.md, "RMSNorm into the tiles' rows")."""
-        k = self.in_features
-        return (0 < self.amx_rows <= x.shape[0] and hasattr(self.lib, "pagoda_norm_linear") and x.dim() == 2
-                and x.shape[1] == k and x.dtype == torch.float32 and x.is_contiguous()
+    def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                   down: PackedLinear | None = None) -> bool:
+        """Whether after_norm serves this norm's input (with down: ahead of this gate_up layer's MLP): float32 rows
+        (T, in_features) contiguous, a residual alike or None, a float32 norm weight; with down, steps that take the
+        MLP in one call anyway (the AMX tiles', or from SILU_MUL_FUSED_MIN_ROWS rows). In one call the norm's pass
+        writes the rows the kernel reads (the AMX tiles' bfloat16 ones, elsewhere the int8 blocks) rather than float32
+        rows that the kernel's own pass reads back and rounds: on the Zen 4 machine, against the norm's call and then
+        the layer's, qkv 1.37x at 16 rows, 1.06-1.08x at 128-2,048, the MLP 1.03-1.05x at 256-2,048 (BENCHMARKS.md,
+        "The norm's pass rounds the rows")."""
+        k, rows = self.in_features, x.shape[0]
+        if down is not None and not (rows >= SILU_MUL_FUSED_MIN_ROWS or 0 < self.amx_rows <= rows):
+            return False
+        return (hasattr(self.lib, "pagoda_norm_linear") and x.dim() == 2 and x.shape[1] == k
+                and x.dtype == torch.float32 and x.is_contiguous()
                 and weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape == (k,)
                 and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()
                                           and residual.shape == x.shape)))

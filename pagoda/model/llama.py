@@ -213,10 +213,11 @@ class DecoderLayer(nn.Module):
         residual: the residual stream before it. Returns the same two for the next layer: the residual
         adds are done by the norms (HF's x = x + attn(norm(x)); x = x + mlp(norm(x)), regrouped).
 
-        On packed weights with the fused float32 elementwise ops, in steps the AMX tiles take, each norm goes into
-        one call with the linear after it (NormLinear; the same bits): per call at 2,048 rows of the default model
-        qkv 1.22x and the MLP 1.04x the norm's call and then the layer's, at 32 rows 1.40x and 1.16x (BENCHMARKS.md,
-        "RMSNorm into the tiles' rows")."""
+        On packed weights with the fused float32 elementwise ops, each norm goes into one call with the linear after
+        it (NormLinear; the same bits): the qkv projection's in every step, the MLP's in steps that run the MLP in one
+        call (PackedLinear.takes_norm). On AMX tiles, per call at 2,048 rows of the default model, qkv 1.22x and the
+        MLP 1.04x the norm's call and then the layer's, at 32 rows 1.40x and 1.16x (BENCHMARKS.md, "RMSNorm into the
+        tiles' rows"); without them the norm's pass rounds the int8 rows (takes_norm has the figures)."""
         fused = self.ops.lib is not None and self.ops.dtype == torch.float32
         qkv = packed_of(self.self_attn.qkv_proj) if fused else None
         if qkv is not None and qkv.takes_norm(x, residual, self.input_layernorm.weight):
@@ -226,10 +227,10 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
             h = self.self_attn(h, cos, sin, kv_cache, meta, one_stream)
         gate_up = packed_of(self.mlp.gate_up_proj) if fused else None
-        if gate_up is not None and gate_up.takes_norm(h, residual, self.post_attention_layernorm.weight):
-            down = packed_of(self.mlp.down_proj)
-            if gate_up.fuses_mlp_with(down):
-                return self.norm_mlp(h, residual, self.post_attention_layernorm, gate_up, down)
+        down = packed_of(self.mlp.down_proj) if gate_up is not None else None
+        if gate_up is not None and down is not None and gate_up.fuses_mlp_with(down) and gate_up.takes_norm(
+                h, residual, self.post_attention_layernorm.weight, down):
+            return self.norm_mlp(h, residual, self.post_attention_layernorm, gate_up, down)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 

@@ -45,8 +45,8 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
 // fns: gemv, add_rms_norm, rotary, silu_mul, write_kv (the cache layout's pagoda_write_kv_rows or _f32),
 // paged_decode_rows, the lm_head's linear (the GEMV, or a quantized model's Q8_0 kernel, whose signature is the
 // GEMV's), a packed model's MLP in one call (pagoda_packed_mlp, q4_gemm.cpp) or null, and its norms in one call with
-// the qkv projection and with the MLP (pagoda_norm_linear, pagoda_norm_mlp; the same bits) or null, taken with the
-// MLP's call (a float32 model).
+// the linear after them and with the MLP (pagoda_norm_linear, pagoda_norm_mlp; the same bits) or null (a float32
+// model's: the qkv and gate_up projections take the first, the MLP's call where it is taken the second).
 // layers: per layer LAYER_PTRS addresses, in this order: input norm weight, qkv weight, qkv bias (or null),
 // o weight, o bias (or null), post-attention norm weight, gate_up weight, down weight, K cache, V cache, K scales, V
 // scales (null for caches without them).
@@ -107,7 +107,9 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
   const bool mlp_call = mlp != nullptr && dims[6] > 0 && B >= dims[6];
   const auto norm_linear = reinterpret_cast<norm_linear_fn>(fns[8]);
   const auto norm_mlp = reinterpret_cast<norm_mlp_fn>(fns[9]);
-  const bool norm_calls = PAGODA_ELEM == 0 && mlp_call && norm_linear != nullptr && norm_mlp != nullptr;
+  // a packed model's norms in one call with the linear after them (the qkv projection, the gate_up projection or
+  // the MLP where that is one call): the same bits as the norm's call and then the linear's
+  const bool norm_calls = PAGODA_ELEM == 0 && norm_linear != nullptr && norm_mlp != nullptr;
   [[maybe_unused]] const bool kv_as_f32 = dims[5] != 0;
   const int64_t QS = HQ * D, KVS = HKV * D, QKV = QS + 2 * KVS;
   auto* residual = static_cast<elem_t*>(bufs[0]);
@@ -176,16 +178,20 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
 #endif
     });
     timed(ts, OP_O, [&] { gemv(attn, p[3], p[4], o, B, H, QS); });
-    if (norm_calls) {
+    if (norm_calls && mlp_call) {
       timed(ts, OP_GATE_UP, [&] { norm_mlp(o, residual, p[5], eps, p[6], p[7], x, B, H, I, dims[7]); });
       continue;
     }
-    timed(ts, OP_NORM, [&] { norm(o, H, residual, p[5], h, B, H, eps); });
-    if (mlp_call) {  // the same bits as the three calls below
-      timed(ts, OP_GATE_UP, [&] { mlp(h, p[6], p[7], x, B, H, I, dims[7]); });
-      continue;
+    if (norm_calls) {
+      timed(ts, OP_GATE_UP, [&] { norm_linear(o, residual, p[5], eps, p[6], nullptr, gate_up, B, 2 * I, H, dims[7]); });
+    } else {
+      timed(ts, OP_NORM, [&] { norm(o, H, residual, p[5], h, B, H, eps); });
+      if (mlp_call) {  // the same bits as the three calls below
+        timed(ts, OP_GATE_UP, [&] { mlp(h, p[6], p[7], x, B, H, I, dims[7]); });
+        continue;
+      }
+      timed(ts, OP_GATE_UP, [&] { gemv(h, p[6], nullptr, gate_up, B, 2 * I, H); });
     }
-    timed(ts, OP_GATE_UP, [&] { gemv(h, p[6], nullptr, gate_up, B, 2 * I, H); });
     timed(ts, OP_SILU_MUL, [&] { silu_mul(gate_up, gate_up + I, 2 * I, act, B, I); });
     timed(ts, OP_DOWN, [&] { gemv(act, p[7], nullptr, x, B, H, I); });
   }

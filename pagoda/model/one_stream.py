@@ -100,9 +100,11 @@ class OneStreamForward:
         mlp_rows = quantized.amx_rows if quantized is not None else 0
         if not mlp_rows or not all(gu is not None and gu.fuses_mlp_with(down) for gu, down in mlps):
             mlp_rows = 0
-        # and, with it, each norm in one call with the qkv projection or the MLP after it (DecoderLayer's norm_qkv
-        # and norm_mlp: the same bits again)
-        norms = bool(mlp_rows) and quantized is not None and hasattr(quantized.lib, "pagoda_norm_linear") and all(
+        # Each norm in one call with the linear after it, the qkv projection, the gate_up projection or the MLP where
+        # that is one call (DecoderLayer's norm_qkv and norm_mlp: the same bits again): the norm's pass writes the
+        # rows the kernel reads (int8 blocks, or the AMX tiles' bfloat16) instead of float32 rows that the kernel's
+        # own pass reads back (PackedLinear.takes_norm has the figures).
+        norms = quantized is not None and hasattr(quantized.lib, "pagoda_norm_linear") and all(
             packed_of(layer.self_attn.qkv_proj) is not None for layer in layers)
         fns = [linear_fn, elementwise.pagoda_add_rms_norm, elementwise.pagoda_rotary,
                elementwise.pagoda_silu_mul, write, attention.pagoda_paged_decode_rows,
@@ -139,7 +141,7 @@ class OneStreamForward:
                                    cfg.intermediate_size, int(kv_as_f32), mlp_rows,
                                    int(isinstance(quantized, Q8Linear))], dtype=torch.int64)
         self.mlp_min_rows = mlp_rows  # the fewest decodes a step has for its MLP to be one call (0: never)
-        self.fused_norms = norms  # whether such steps also run each norm in one call with the linear after it
+        self.fused_norms = norms  # whether steps run each norm in one call with the linear after it
         self._rows = self._work_floats = 0  # what the scratch buffers hold (_scratch)
         self._bufs_tensors: list[torch.Tensor] = []
         self._bufs = (ctypes.c_void_p * _BUFFERS)()

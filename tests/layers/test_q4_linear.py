@@ -263,8 +263,9 @@ def test_norm_in_one_call_with_the_linear_gives_the_same_bits(build: str, layer_
     """pagoda_norm_linear and pagoda_norm_mlp (PackedLinear.after_norm): the fused elementwise ops' residual add and
     RMSNorm (float32, the same build's) and then the layer, or the MLP, bit for bit, the residual updated alike, with
     and without a residual and a bias, at row counts on both sides of the AMX tiles' threshold and passes (where the
-    CPU has AMX the norm writes the tiles' bfloat16 rows, padding rows included); takes_norm only where the tiles
-    take the step."""
+    CPU has AMX the norm writes the tiles' bfloat16 rows, padding rows included; elsewhere it rounds the int8 rows);
+    takes_norm at every row count ahead of a linear, ahead of an MLP only in steps that take the MLP in one call (the
+    tiles', or from SILU_MUL_FUSED_MIN_ROWS rows)."""
     from pagoda.layers.elementwise import ElementwiseOps, _library
 
     lib = q4_linear.q4_library(portable=build == "portable", no_vnni=build == "avx2")
@@ -276,7 +277,7 @@ def test_norm_in_one_call_with_the_linear_gives_the_same_bits(build: str, layer_
         down = layer_type(torch.randn(h, i, generator=g) * 0.1, None, lib)
         qkv = layer_type(torch.randn(3 * 64, h, generator=g) * 0.1, torch.randn(3 * 64, generator=g), lib)
         weight = torch.rand(h, generator=g) + 0.5
-        for rows in (1, 5, 19, 20, 31, 32, 33, 100):
+        for rows in (1, 5, 19, 20, 31, 32, 33, 100, q4_linear.SILU_MUL_FUSED_MIN_ROWS + 1):
             for with_residual in (True, False):
                 x = torch.randn(rows, h, generator=g) * 3
                 residual = torch.randn(rows, h, generator=g) if with_residual else None
@@ -284,7 +285,9 @@ def test_norm_in_one_call_with_the_linear_gives_the_same_bits(build: str, layer_
                 normed, h_expected = ops.add_rms_norm(x, expected_residual, weight, 1e-5)
                 for layer, d, want in ((qkv, None, qkv(normed)), (gate_up, down, gate_up.mlp(normed, down))):
                     res = None if residual is None else residual.clone()
-                    assert layer.takes_norm(x, res, weight) == (0 < q4_linear.amx_min_rows(lib) <= rows)
+                    mlp_in_one_call = (rows >= q4_linear.SILU_MUL_FUSED_MIN_ROWS
+                                       or 0 < q4_linear.amx_min_rows(lib) <= rows)
+                    assert layer.takes_norm(x, res, weight, d) == (d is None or mlp_in_one_call)
                     y, h_out = layer.after_norm(x, res, weight, 1e-5, d)
                     assert torch.equal(y, want), (h, rows, with_residual, layer is qkv)
                     assert torch.equal(h_out, h_expected) and (res is None or h_out is res)

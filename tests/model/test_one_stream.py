@@ -237,8 +237,8 @@ def test_quantized_decode_steps_of_many_rows(tiny_model: tuple[str, Path], quant
     logprobs, exactly: the tiny models' lm_head (a vocabulary of 300, not whole tiles of 16) is not packed but the
     GEMV's, which takes 1-4 rows, so these steps leave it to the caller (in the call, the rows past 4 had been left
     unwritten). On a CPU with AMX tiles, steps of amx_min_rows decodes or more run each layer's MLP as one call
-    (pagoda_packed_mlp: no time in silu_mul or down_proj), and each norm in one call with the linear after it; without
-    the tiles the separate calls stay."""
+    (pagoda_packed_mlp: no time in silu_mul or down_proj); without the tiles the separate calls stay. Either way each
+    norm goes in one call with the linear or the MLP after it."""
     from pagoda.layers.q4_linear import amx_min_rows, packed_of, q4_library
 
     arch, folder = tiny_model
@@ -250,7 +250,7 @@ def test_quantized_decode_steps_of_many_rows(tiny_model: tuple[str, Path], quant
     forward = model.one_stream_forward
     least = amx_min_rows(q4_library())
     assert forward is not None and forward.mlp_min_rows == least and packed_of(model.lm_head) is None
-    assert forward.fused_norms == bool(least)  # with the MLP's call, the norms' (pagoda_norm_linear, _mlp)
+    assert forward.fused_norms  # pagoda_norm_linear (and _mlp with the MLP's call)
     n = max(least, 5) + 4  # every decode step has n rows: the prompts (8 tokens each) all go in the first step
     rng = random.Random(3)
     prompts = [[rng.randrange(256) for _ in range(8)] for _ in range(n)]
