@@ -18,6 +18,10 @@ first token. Then, with `--also stream,prompt` (the default), the issue's two on
 (one sequence) against each Pagoda flag set: one stream's decode tokens/s after its first token (a 16-token prompt,
 129 generated) and one 512-token prompt's tokens/s. These machines' speed drifts by up to 1.7x within an hour, so
 compare runs of one invocation, not figures of different ones.
+
+`--rounds N` runs the whole sequence N times over, so that every run has a peer's run next to it in each round;
+the tables then give medians over the rounds: of each run's figures, and of its ratios to the peers taken round by
+round (a run over the peer's run of the same round), with their range.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import importlib.util
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 from typing import Any
@@ -67,6 +72,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--also", default="stream,prompt",
                    help="one-request comparisons against llama.cpp to run after the offline one: stream, prompt "
                         "('' for none; default both)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole sequence this many times over; the tables give medians (default 1)")
     p.add_argument("--save-result", default=None, metavar="FILE", help="write every run's result and the table as JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -153,68 +160,107 @@ def _row(run: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _by_name(runs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The runs grouped by name (one run a round), in the order the names first ran."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault(r["name"], []).append(r)
+    return list(groups.values())
+
+
+def _peer(runs: list[dict[str, Any]], backend: str, key: str) -> dict[int, float]:
+    """Per round, the figure key of the run of that backend (where it ran)."""
+    return {r.get("round", 0): r["result"][key] for r in runs
+            if "result" in r and r["result"].get("backend") == backend and r["result"].get(key)}
+
+
+def _summarize(row: dict[str, Any], name: str, values: list[float]) -> None:
+    """row[name] = the median of values (None where there are none), and with more than one, row[name + '_range'] =
+    [min, max]."""
+    row[name] = statistics.median(values) if values else None
+    if len(values) > 1:
+        row[f"{name}_range"] = [min(values), max(values)]
+
+
+def _ratios(row: dict[str, Any], runs: list[dict[str, Any]], key: str, peers: dict[str, dict[int, float]]) -> None:
+    """row['over_' + peer]: the median over rounds of the runs' figure key over that peer's in the same round."""
+    for peer, per_round in peers.items():
+        _summarize(row, f"over_{peer}", [r["result"][key] / per_round[r.get("round", 0)] for r in runs
+                                         if r["result"].get(key) and per_round.get(r.get("round", 0))])
+
+
 def single_table(runs: list[dict[str, Any]], workload: str) -> list[dict[str, Any]]:
-    """One row per run of a one-request workload: its figure (SINGLE) and, for Pagoda's, the ratio to llama.cpp's."""
+    """One row per run of a one-request workload: its figure (SINGLE) and, for Pagoda's, the ratio to llama.cpp's
+    (medians over the rounds)."""
     key = SINGLE[workload][1]
     runs = [r for r in runs if r.get("workload") == workload]
-    peer = next((r["result"].get(key) for r in runs if r.get("result", {}).get("backend") == "llamacpp"), None)
+    peers = {"llamacpp": _peer(runs, "llamacpp", key)}
     rows = []
-    for r in runs:
-        row = _row(r)
-        if "result" in r:
-            row[key] = value = r["result"].get(key)
-            if r["result"].get("backend") == "pagoda":
-                row["over_llamacpp"] = value / peer if value and peer else None
+    for group in _by_name(runs):
+        done = [r for r in group if "result" in r]
+        row = _row(done[0] if done else group[0])
+        if done:
+            _summarize(row, key, [r["result"][key] for r in done if r["result"].get(key) is not None])
+            if done[0]["result"].get("backend") == "pagoda":
+                _ratios(row, done, key, peers)
         rows.append(row)
     return rows
 
 
 def table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per run of the offline workload: its figures and its ratios to the peers that ran."""
+    """One row per run of the offline workload: its figures and its ratios to the peers that ran (medians over the
+    rounds, with their range where there are several)."""
     runs = [r for r in runs if r.get("workload", "offline") == "offline"]
-
-    def total(backend: str) -> float | None:
-        return next((r["result"]["total_tokens_per_second"] for r in runs
-                     if "result" in r and r["result"].get("backend") == backend), None)
-
-    hf, llamacpp = total("hf"), total("llamacpp")
+    key = "total_tokens_per_second"
+    peers = {"hf": _peer(runs, "hf", key), "llamacpp": _peer(runs, "llamacpp", key)}
     rows = []
-    for r in runs:
-        row = _row(r)
+    for group in _by_name(runs):
+        done = [r for r in group if "result" in r]
+        row = _row(done[0] if done else group[0])
         rows.append(row)
-        if "result" not in r:
+        if not done:
             continue
-        res = r["result"]
-        tps, ttft = res["total_tokens_per_second"], res.get("ttft_s") or {}
-        row |= {"elapsed_s": res["elapsed_s"], "total_tokens_per_second": tps, "ttft_mean_s": ttft.get("mean"),
-                "ttft_p99_s": ttft.get("p99")}
-        if res.get("backend") == "pagoda":
-            row["over_hf"] = tps / hf if hf else None
-            row["over_llamacpp"] = tps / llamacpp if llamacpp else None
-            row["compute_floor_fraction"] = res.get("compute_floor_fraction")
-            row["floor_target_applies"] = is_float32_run(res)
+        if len(done) < len(group):
+            row["failed_rounds"] = len(group) - len(done)
+        res = [r["result"] for r in done]
+        _summarize(row, "elapsed_s", [x["elapsed_s"] for x in res])
+        _summarize(row, key, [x[key] for x in res])
+        row["ttft_mean_s"] = statistics.median(t) if (t := [x["ttft_s"]["mean"] for x in res if x.get("ttft_s")]) \
+            else None
+        row["ttft_p99_s"] = statistics.median(t) if (t := [x["ttft_s"]["p99"] for x in res if x.get("ttft_s")]) \
+            else None
+        if res[0].get("backend") == "pagoda":
+            _ratios(row, done, key, peers)
+            floors = [x["compute_floor_fraction"] for x in res if x.get("compute_floor_fraction") is not None]
+            _summarize(row, "compute_floor_fraction", floors)
+            row["floor_target_applies"] = is_float32_run(res[0])
     return rows
 
 
 def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     workload_spec(args)  # a bad workload flag fails here, once, not in every child process
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     plans = planned_runs(args)
     runs: list[dict[str, Any]] = []
-    for workload, name, argv, skipped in plans:
-        if argv is None:
-            runs.append({"workload": workload, "name": name, "skipped": skipped})
-            continue
-        print(f"running {name} ({workload}) ...", file=sys.stderr, flush=True)
-        base = workload_args(args, workload)
-        result = run_one(base + argv)
-        done = result.get("error") or (f"{result['total_tokens_per_second']:.1f} total tokens/s in "
-                                       f"{result['elapsed_s']:.1f} s")
-        print(f"  {done}", file=sys.stderr, flush=True)
-        runs.append({"workload": workload, "name": name,
-                     "command": ["pagoda", "bench", "throughput", *base, *argv, "--json"],
-                     **({"error": result["error"]} if "error" in result else {"result": result})})
+    for round_ in range(args.rounds):
+        for workload, name, argv, skipped in plans:
+            if argv is None:
+                runs.append({"workload": workload, "name": name, "round": round_, "skipped": skipped})
+                continue
+            of = f", round {round_ + 1} of {args.rounds}" if args.rounds > 1 else ""
+            print(f"running {name} ({workload}{of}) ...", file=sys.stderr, flush=True)
+            base = workload_args(args, workload)
+            result = run_one(base + argv)
+            done = result.get("error") or (f"{result['total_tokens_per_second']:.1f} total tokens/s in "
+                                           f"{result['elapsed_s']:.1f} s")
+            print(f"  {done}", file=sys.stderr, flush=True)
+            runs.append({"workload": workload, "name": name, "round": round_,
+                         "command": ["pagoda", "bench", "throughput", *base, *argv, "--json"],
+                         **({"error": result["error"]} if "error" in result else {"result": result})})
     singles = sorted({w for w, *_ in plans} - {"offline"}, key=list(SINGLE).index)
-    out = {"workload": workload_args(args), "targets": TARGETS, "runs": runs, "table": table(runs),
+    out = {"workload": workload_args(args), "rounds": args.rounds, "targets": TARGETS, "runs": runs,
+           "table": table(runs),
            **{f"{w}_table": single_table(runs, w) for w in singles}}
     if args.save_result:
         with open(args.save_result, "w") as f:
@@ -222,8 +268,13 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
-    return "" if x is None else f"{x:{spec}}{suffix}"
+def _cell(row: dict[str, Any], name: str, spec: str, suffix: str = "", scale: float = 1.0) -> str:
+    """row[name] formatted, with its range over the rounds where it has one: "5.02x (4.81-5.20x)"."""
+    x, span = row.get(name), row.get(f"{name}_range")
+    if x is None:
+        return ""
+    text = f"{scale * x:{spec}}{suffix}"
+    return text + (f" ({scale * span[0]:{spec}}-{scale * span[1]:{spec}}{suffix})" if span else "")
 
 
 def _not_run(row: dict[str, Any]) -> str:
@@ -234,20 +285,21 @@ def report(out: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(out))
         return
-    print(f"workload: {' '.join(out['workload'])}")
+    rounds = out.get("rounds", 1)
+    print(f"workload: {' '.join(out['workload'])}" + (f"; medians of {rounds} rounds (range)" if rounds > 1 else ""))
     print("| run | elapsed | total tokens/s | over HF | over llama.cpp | of the compute floor | TTFT mean / p99 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for row in out["table"]:
         if "total_tokens_per_second" not in row:
             print(f"| {row['name']} | {_not_run(row)} | | | | | |")
             continue
-        floor = row.get("compute_floor_fraction")
-        floor_s = _fmt(100 * floor if floor is not None else None, ".1f", "%")
+        floor_s = _cell(row, "compute_floor_fraction", ".1f", "%", 100.0)
         if floor_s and not row.get("floor_target_applies"):
             floor_s += " (not float32)"
         ttft = f"{row['ttft_mean_s']:.1f} / {row['ttft_p99_s']:.1f} s" if row.get("ttft_mean_s") is not None else ""
-        print(f"| {row['name']} | {row['elapsed_s']:.1f} s | {row['total_tokens_per_second']:.1f} | "
-              f"{_fmt(row.get('over_hf'), '.2f', 'x')} | {_fmt(row.get('over_llamacpp'), '.2f', 'x')} | {floor_s} | "
+        failed = f" ({row['failed_rounds']} rounds failed)" if row.get("failed_rounds") else ""
+        print(f"| {row['name']}{failed} | {row['elapsed_s']:.1f} s | {_cell(row, 'total_tokens_per_second', '.1f')} | "
+              f"{_cell(row, 'over_hf', '.2f', 'x')} | {_cell(row, 'over_llamacpp', '.2f', 'x')} | {floor_s} | "
               f"{ttft} |")
     t = out["targets"]
     print(f"targets: {t['hf']:g}x HF, {t['llamacpp']:g}x llama.cpp, {100 * t['floor']:.0f}% of the compute floor "
@@ -261,6 +313,6 @@ def report(out: dict[str, Any], as_json: bool) -> None:
             if key not in row:
                 print(f"| {row['name']} | {_not_run(row)} | |")
             else:
-                print(f"| {row['name']} | {_fmt(row[key], '.1f')} | {_fmt(row.get('over_llamacpp'), '.2f', 'x')} |")
+                print(f"| {row['name']} | {_cell(row, key, '.1f')} | {_cell(row, 'over_llamacpp', '.2f', 'x')} |")
     if out.get("prompt_table"):
         print(f"target: one prompt at {t['prompt_over_llamacpp']:g}x llama.cpp")

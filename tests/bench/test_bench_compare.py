@@ -97,6 +97,46 @@ def test_table_gives_ratios_to_the_peers_that_ran() -> None:
     assert rows[4] == {"name": "bad", "error": "exit status 2: boom"}
 
 
+def test_rounds_give_medians_and_ratios_taken_round_by_round(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """--rounds 3: the sequence runs three times over, in order; each row is the median of its rounds, each ratio the
+    median of the ratios to the peer's run of the same round (not a ratio of medians), with their ranges; a round
+    that failed is counted and left out."""
+    figures = iter([100.0, 500.0, 300.0, 800.0,  # round 1: hf, pagoda, llama.cpp one stream, pagoda one stream
+                    200.0, 800.0, 100.0, 300.0,  # round 2
+                    None, 600.0, 200.0, 500.0])  # round 3: hf fails
+    seen: list[list[str]] = []
+
+    def fake_run(argv: list[str]) -> dict[str, Any]:
+        seen.append(argv)
+        tps = next(figures)
+        if tps is None:
+            return {"error": "exit status 1: boom"}
+        backend = "hf" if "hf" in argv else "llamacpp" if "llamacpp" in argv else "pagoda"
+        return result(backend, tps, decode_tokens_per_second=tps, compute_floor_fraction=tps / 1000,
+                      engine_options={"dtype": "auto", "quantization": "none"})
+
+    monkeypatch.setattr(compare, "run_one", fake_run)
+    monkeypatch.setattr(compare.importlib.util, "find_spec", lambda name: object())
+    out = compare.run_compare(parse("--peers", "hf", "--pagoda", "", "--also", "stream", "--rounds", "3"))
+    assert len(seen) == 12 and [r["round"] for r in out["runs"]] == [0] * 4 + [1] * 4 + [2] * 4
+    hf, pagoda = out["table"]
+    assert hf["total_tokens_per_second"] == 150.0 and hf["total_tokens_per_second_range"] == [100.0, 200.0]
+    assert hf["failed_rounds"] == 1
+    assert pagoda["total_tokens_per_second"] == 600.0 and pagoda["total_tokens_per_second_range"] == [500.0, 800.0]
+    # 500 / 100 and 800 / 200 (round 3 had no HF run): median 4.5, not 600 / 150
+    assert pagoda["over_hf"] == pytest.approx(4.5) and pagoda["over_hf_range"] == pytest.approx([4.0, 5.0])
+    assert pagoda["compute_floor_fraction"] == pytest.approx(0.6) and pagoda["floor_target_applies"] is True
+    llama, one = out["stream_table"]
+    assert llama["decode_tokens_per_second"] == 200.0
+    assert one["over_llamacpp"] == pytest.approx(800 / 300) and one["over_llamacpp_range"] == pytest.approx([2.5, 3.0])
+    compare.report(out, as_json=False)
+    printed = capsys.readouterr().out
+    assert "medians of 3 rounds" in printed and "4.50x (4.00-5.00x)" in printed and "(1 rounds failed)" in printed
+    with pytest.raises(ValueError, match="--rounds must be >= 1, got 0"):
+        compare.run_compare(parse("--rounds", "0"))
+
+
 def test_compares_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """HF and two Pagoda runs in child processes on a tiny model, one of them with a bad flag: it fails alone."""
     model = make_tiny_model(tmp_path / "tiny", "llama")
