@@ -18,6 +18,15 @@ it finds their end in cache); the kernel against itself read 0.986-1.034x in fou
 call sequence, medians over --iters sequences.
 
     python -m pagoda.bench.q4_linear --layers 30 --versus-rev HEAD~1
+
+`--fused`: instead, the calls that fuse a layer's neighbours into it against the calls they replace, at the default
+model's shapes and the given row counts, alternated call by call: a norm (residual add and RMSNorm) with the qkv
+projection after it (`PackedLinear.after_norm`) against the fused elementwise ops' norm and then the layer; the same
+ahead of the MLP in one call (`after_norm` with down) against the norm and then `PackedLinear.mlp`; and the MLP in
+one call (`mlp`) against the fused gate_up and SiLU-and-multiply (`silu_mul`) and then the down layer. The outputs
+are the same bits (tests/layers/test_q4_linear.py); `*_speedup` > 1: the fused call is faster.
+
+    python -m pagoda.bench.q4_linear --fused --rows 16,128,512,2048
 """
 
 from __future__ import annotations
@@ -74,7 +83,11 @@ def main() -> None:
     p.add_argument("--versus-rev", default=None, metavar="REV",
                    help="also time the kernel as of git revision REV, alternated (versus_over_q4_1 > 1: the "
                         "checkout's is faster)")
+    p.add_argument("--fused", action="store_true", help="time the fused calls against the calls they replace")
     args = p.parse_args()
+    if args.fused:
+        print(json.dumps({"results": _fused(args.rows, args.iters), "machine": machine_info()}))
+        return
     if args.layers is not None:
         print(json.dumps(_one_stream(args.layers, args.iters, args.versus_rev) | {"machine": machine_info()}))
         return
@@ -105,6 +118,42 @@ def main() -> None:
                         "versus_over_q4_1": round(us["versus_rev"] / us["q4_1"], 3)}
             results.append(row)
     print(json.dumps({"results": results, "machine": machine_info()}))
+
+
+def _fused(rows_list: str, iters: int) -> list[dict[str, object]]:
+    """Per row count, median microseconds of each fused call and of the calls it replaces, and their ratios."""
+    from pagoda.layers.elementwise import ElementwiseOps, _library
+
+    lib = q4_library()
+    ops = ElementwiseOps()
+    ops.lib, ops.dtype = _library(0), torch.float32
+    g = torch.Generator().manual_seed(0)
+    (h, qkv_n), _, (_, gate_up_n), (inter, _) = SHAPES
+    qkv = Q4Linear(torch.randn(qkv_n, h, generator=g) * 0.05, None, lib)
+    gate_up = Q4Linear(torch.randn(gate_up_n, h, generator=g) * 0.05, None, lib)
+    down = Q4Linear(torch.randn(h, inter, generator=g) * 0.05, None, lib)
+    weight = torch.rand(h, generator=g) + 0.5
+    def sides_of(x: torch.Tensor, residual: torch.Tensor) -> dict[str, Callable[[], object]]:
+        def normed() -> torch.Tensor:
+            return ops.add_rms_norm(x, residual, weight, 1e-5)[0]
+
+        return {"norm_qkv": lambda: qkv.after_norm(x, residual, weight, 1e-5),
+                "norm_then_qkv": lambda: qkv(normed()),
+                "norm_mlp": lambda: gate_up.after_norm(x, residual, weight, 1e-5, down),
+                "norm_then_mlp": lambda: gate_up.mlp(normed(), down),
+                "mlp": lambda: gate_up.mlp(x, down),
+                "silu_mul_then_down": lambda: down(gate_up.silu_mul(x))}
+
+    results: list[dict[str, object]] = []
+    for rows in (int(r) for r in rows_list.split(",")):
+        sides = sides_of(torch.randn(rows, h, generator=g), torch.randn(rows, h, generator=g))
+        us = {k: 1e6 * v for k, v in _alternate({k: _timed(f) for k, f in sides.items()}, lambda: None,
+                                                  iters).items()}
+        results.append({"rows": rows, **{f"{k}_us": round(v, 1) for k, v in us.items()},
+                        "norm_qkv_speedup": round(us["norm_then_qkv"] / us["norm_qkv"], 3),
+                        "norm_mlp_speedup": round(us["norm_then_mlp"] / us["norm_mlp"], 3),
+                        "mlp_speedup": round(us["silu_mul_then_down"] / us["mlp"], 3)})
+    return results
 
 
 def _one_stream(num_layers: int, iters: int, rev: str | None) -> dict[str, object]:

@@ -961,10 +961,8 @@ extern "C" void pagoda_packed_mlp(const float* x, const uint8_t* w_gate_up, cons
     return;
   }
 #endif
-  if (q8)
-    packed_mlp_tiles<true>(round_into_scratch(x, M, H, Q8_SUMS), w_gate_up, w_down, y, M, H, I);
-  else
-    packed_mlp_tiles<false>(round_into_scratch(x, M, H), w_gate_up, w_down, y, M, H, I);
+  const Rounded a = round_into_scratch(x, M, H, q8 && Q8_SUMS);
+  (q8 ? packed_mlp_tiles<true> : packed_mlp_tiles<false>)(a, w_gate_up, w_down, y, M, H, I);
 }
 
 // weight * rms_norm(h) of x (M, K) float32, h = residual + x with residual (M, K) updated in place to h (or h = x
@@ -1018,10 +1016,8 @@ extern "C" void pagoda_norm_linear(const float* x, float* residual, const float*
     return;
   }
 #endif
-  if (q8)
-    packed_tiles<true>(round_normed_into_scratch(x, norm, M, K, Q8_SUMS), w, bias, y, M, N, K, false);
-  else
-    packed_tiles<false>(round_normed_into_scratch(x, norm, M, K, false), w, bias, y, M, N, K, false);
+  const Rounded a = round_normed_into_scratch(x, norm, M, K, q8 && Q8_SUMS);
+  (q8 ? packed_tiles<true> : packed_tiles<false>)(a, w, bias, y, M, N, K, false);
 }
 
 // The same ahead of a gated MLP: y (M, H) = pagoda_packed_mlp of weight * rms_norm(h), h = residual + x (M, H).
@@ -1038,8 +1034,6 @@ extern "C" void pagoda_norm_mlp(const float* x, float* residual, const float* no
     return;
   }
 #endif
-  if (q8)
-    packed_mlp_tiles<true>(round_normed_into_scratch(x, norm, M, H, Q8_SUMS), w_gate_up, w_down, y, M, H, I);
-  else
-    packed_mlp_tiles<false>(round_normed_into_scratch(x, norm, M, H, false), w_gate_up, w_down, y, M, H, I);
+  const Rounded a = round_normed_into_scratch(x, norm, M, H, q8 && Q8_SUMS);
+  (q8 ? packed_mlp_tiles<true> : packed_mlp_tiles<false>)(a, w_gate_up, w_down, y, M, H, I);
 }

@@ -346,6 +346,18 @@ def test_q4_linear_bench_times_both_sides_at_every_shape(capsys: pytest.CaptureF
     assert all(r["float32_us"] > 0 and r["q4_1_us"] > 0 for r in results)
 
 
+def test_q4_linear_bench_fused_calls_against_the_calls_they_replace(capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda.bench.q4_linear import main
+
+    (row,) = run_module(main, ["--fused", "--rows", "3,20", "--iters", "1"], capsys, monkeypatch)
+    assert [r["rows"] for r in row["results"]] == [3, 20]
+    for r in row["results"]:
+        assert all(r[f"{k}_us"] > 0 for k in ("norm_qkv", "norm_then_qkv", "norm_mlp", "norm_then_mlp", "mlp",
+                                             "silu_mul_then_down"))
+        assert r["mlp_speedup"] == pytest.approx(r["silu_mul_then_down_us"] / r["mlp_us"], rel=0.02)
+
+
 def test_q4_linear_bench_one_stream_layers_against_the_reads_and_a_revision(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """--layers: one-row calls over that many layers' weights (on huge pages, called from C++), against reading their
