@@ -225,10 +225,9 @@ def table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         res = [r["result"] for r in done]
         _summarize(row, "elapsed_s", [x["elapsed_s"] for x in res])
         _summarize(row, key, [x[key] for x in res])
-        row["ttft_mean_s"] = statistics.median(t) if (t := [x["ttft_s"]["mean"] for x in res if x.get("ttft_s")]) \
-            else None
-        row["ttft_p99_s"] = statistics.median(t) if (t := [x["ttft_s"]["p99"] for x in res if x.get("ttft_s")]) \
-            else None
+        ttfts = [x["ttft_s"] for x in res if x.get("ttft_s")]
+        row["ttft_mean_s"] = statistics.median(t["mean"] for t in ttfts) if ttfts else None
+        row["ttft_p99_s"] = statistics.median(t["p99"] for t in ttfts) if ttfts else None
         if res[0].get("backend") == "pagoda":
             _ratios(row, done, key, peers)
             floors = [x["compute_floor_fraction"] for x in res if x.get("compute_floor_fraction") is not None]

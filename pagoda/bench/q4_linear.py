@@ -133,6 +133,7 @@ def _fused(rows_list: str, iters: int) -> list[dict[str, object]]:
     gate_up = Q4Linear(torch.randn(gate_up_n, h, generator=g) * 0.05, None, lib)
     down = Q4Linear(torch.randn(h, inter, generator=g) * 0.05, None, lib)
     weight = torch.rand(h, generator=g) + 0.5
+
     def sides_of(x: torch.Tensor, residual: torch.Tensor) -> dict[str, Callable[[], object]]:
         def normed() -> torch.Tensor:
             return ops.add_rms_norm(x, residual, weight, 1e-5)[0]

@@ -220,7 +220,9 @@ class PackedLinear:
 
     def mlp(self, x: torch.Tensor, down: PackedLinear) -> torch.Tensor:
         """down(silu(gate) * up) of this gate_up layer's output, in one call (pagoda_packed_mlp): the same float32
-        bits as down(self.silu_mul(x)); where the AMX tiles take the step, the intermediate never leaves bfloat16."""
+        bits as down(self.silu_mul(x)); where the AMX tiles take the step, the intermediate never leaves bfloat16,
+        elsewhere it goes to the down pass as the int8 blocks its SiLU's pass rounds (1.01-1.09x the two calls at
+        16-2,048 rows on the Zen 4 machine, `bench.q4_linear --fused`)."""
         if not self.fuses_mlp_with(down):
             raise ValueError(f"{type(self).__name__} cannot run an MLP with {type(down).__name__}")
         x2, y = self._input(x, self.in_features)
@@ -236,8 +238,8 @@ class PackedLinear:
         MLP in one call anyway (the AMX tiles', or from SILU_MUL_FUSED_MIN_ROWS rows). In one call the norm's pass
         writes the rows the kernel reads (the AMX tiles' bfloat16 ones, elsewhere the int8 blocks) rather than float32
         rows that the kernel's own pass reads back and rounds: on the Zen 4 machine, against the norm's call and then
-        the layer's, qkv 1.37x at 16 rows, 1.06-1.08x at 128-2,048, the MLP 1.03-1.05x at 256-2,048 (BENCHMARKS.md,
-        "The norm's pass rounds the rows")."""
+        the layer's (`bench.q4_linear --fused`), qkv 1.41x at 16 rows, 1.07x at 128, 1.00-1.02x at 512-2,048; the
+        MLP 1.01-1.12x (BENCHMARKS.md, "The norm's and the SiLU's passes round the int8 rows")."""
         k, rows = self.in_features, x.shape[0]
         if down is not None and not (rows >= SILU_MUL_FUSED_MIN_ROWS or 0 < self.amx_rows <= rows):
             return False

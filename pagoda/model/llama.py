@@ -228,7 +228,7 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cos, sin, kv_cache, meta, one_stream)
         gate_up = packed_of(self.mlp.gate_up_proj) if fused else None
         down = packed_of(self.mlp.down_proj) if gate_up is not None else None
-        if gate_up is not None and down is not None and gate_up.fuses_mlp_with(down) and gate_up.takes_norm(
+        if gate_up is not None and gate_up.fuses_mlp_with(down) and gate_up.takes_norm(
                 h, residual, self.post_attention_layernorm.weight, down):
             return self.norm_mlp(h, residual, self.post_attention_layernorm, gate_up, down)
         h, residual = self.post_attention_layernorm(h, residual)
