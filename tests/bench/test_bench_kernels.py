@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -344,6 +345,26 @@ def test_q4_linear_bench_times_both_sides_at_every_shape(capsys: pytest.CaptureF
     results = rows[0]["results"]
     assert [(r["in"], r["out"], r["rows"]) for r in results] == [(k, n, m) for k, n in SHAPES for m in (1, 5)]
     assert all(r["float32_us"] > 0 and r["q4_1_us"] > 0 for r in results)
+
+
+def test_f32_tiles_bench_checks_and_times_both_sides(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per shape (and with --step, one decode step's linears in turn), the tile kernel and oneDNN's packed weights
+    both timed, and the kernel's output within float32 rounding of oneDNN's: rows that leave a tail of every size
+    below the tile's 12."""
+    from pagoda.bench import f32_tiles
+    from pagoda.layers.cpp_build import load_library
+
+    lib = load_library(Path(f32_tiles.__file__).with_name("f32_tiles.cpp"), {})
+    if not lib.pagoda_f32_tiles_built():
+        pytest.skip("the tile kernel needs AVX-512")
+    rows = run_module(f32_tiles.main, ["--rows", "1,11,13", "--iters", "1"], capsys, monkeypatch)
+    assert [(r["rows"], r["in"], r["out"]) for r in rows] == [
+        (m, k, n) for m in (1, 11, 13) for k, n in [*f32_tiles.SHAPES, f32_tiles.LM_HEAD]]
+    assert all(r["tiles_ms"] > 0 and r["onednn_packed_ms"] > 0 and r["max_abs_diff"] < 1e-4 for r in rows)
+    (step,) = run_module(f32_tiles.main, ["--step", "--layers", "1", "--rows", "23", "--iters", "1"], capsys,
+                         monkeypatch)
+    assert step["layers"] == 1 and step["tiles_speedup"] > 0 and step["max_abs_diff"] < 1e-4
 
 
 def test_q4_linear_bench_fused_calls_against_the_calls_they_replace(capsys: pytest.CaptureFixture[str],
