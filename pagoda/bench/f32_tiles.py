@@ -33,6 +33,7 @@ from pagoda.layers.cpp_build import load_library
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
 LM_HEAD = (576, 49152)
 TILE_COLUMNS = 32
+PACK_ROWS_HINT = 16  # the batch size oneDNN's reorder is told, as pagoda/layers/linear.py's prepack_linears tells it
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -77,7 +78,7 @@ def _measure(lib: Any, rows: int, shapes: list[tuple[int, int]], step: bool, ite
     layers = []
     for k, n in shapes:
         w = torch.randn(n, k, generator=g) * 0.05
-        layers.append((k, n, pack(w), torch.ops.mkldnn._reorder_linear_weight(w, rows)))
+        layers.append((k, n, pack(w), torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)))
     xs = {k: torch.randn(rows, k, generator=g) for k in {k for k, _ in shapes}}
     ys = {n: torch.empty(rows, n) for n in {n for _, n in shapes}}
 
@@ -101,6 +102,7 @@ def _measure(lib: Any, rows: int, shapes: list[tuple[int, int]], step: bool, ite
                         **{f"{side}_gflops": round(flop / v / 1e6, 1) for side, v in ms.items()},
                         "tiles_speedup": round(ms["onednn_packed"] / ms["tiles"], 3), "max_abs_diff": float(diff)})
     return results
+
 
 if __name__ == "__main__":
     main()
