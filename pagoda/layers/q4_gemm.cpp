@@ -425,6 +425,21 @@ static void for_each_tile(int64_t M, int64_t N, const Tile& tile) {
   }
 }
 
+// g = silu(g) * u over V vectors of floats, in place: the SiLU-and-multiply of the fused gate_up loops below (the
+// silu of cpp_vector.h, as elementwise.cpp's pagoda_silu_mul runs it: the same bits).
+template <int V>
+static inline void silu_mul_in_place(float* g, const float* u) {
+  vf x[V];
+  for (int v = 0; v < V; ++v) std::memcpy(&x[v], g + v * L, sizeof(vf));
+  silu<V>(x);
+  for (int v = 0; v < V; ++v) {
+    vf up;
+    std::memcpy(&up, u + v * L, sizeof(vf));
+    const vf out = x[v] * up;
+    std::memcpy(g + v * L, &out, sizeof(vf));
+  }
+}
+
 // The Llama MLP's gate_up projection fused with its SiLU-and-multiply: y (M, N / 2) = silu(gate) * up, where the
 // weights' first N / 2 output columns are the gate's and the last N / 2 the up's (N a multiple of 2 NR). Threads
 // split the gate's tiles; each computes a group of rows against gate tile t and up tile t + N / (2 NR) into two
@@ -443,15 +458,8 @@ static void for_each_tile_pair_silu_mul(int64_t M, int64_t N, float* y, const Ti
       tile(t, m, rows, g, NR);
       tile(t + half, m, rows, u, NR);
       constexpr int V = R * NR / L;  // vectors of the R rows' 16 columns
-      vf x[V];
-      for (int v = 0; v < V; ++v) std::memcpy(&x[v], g + v * L, sizeof(vf));
-      silu<V>(x);
-      for (int v = 0; v < V; ++v) {
-        vf up;
-        std::memcpy(&up, u + v * L, sizeof(vf));
-        const vf out = x[v] * up;
-        std::memcpy(y + (m + v * L / NR) * ys + t * NR + (v * L) % NR, &out, sizeof(vf));
-      }
+      silu_mul_in_place<V>(g, u);
+      for (int v = 0; v < V; ++v) std::memcpy(y + (m + v * L / NR) * ys + t * NR + (v * L) % NR, g + v * L, sizeof(vf));
     };
     int64_t m = 0;
     for (; m + Rows <= M; m += Rows) pair(t, m, std::integral_constant<int, Rows>());
@@ -517,16 +525,7 @@ static void for_each_block_silu_mul_rounded(int64_t M, int64_t N, const Rounded&
         tile(2 * j + c, m, rows, g + c * NR, QK);
         tile(2 * j + c + half, m, rows, u + c * NR, QK);
       }
-      constexpr int V = R * QK / L;  // vectors of the R rows' block
-      vf x[V];
-      for (int v = 0; v < V; ++v) std::memcpy(&x[v], g + v * L, sizeof(vf));
-      silu<V>(x);
-      for (int v = 0; v < V; ++v) {
-        vf up;
-        std::memcpy(&up, u + v * L, sizeof(vf));
-        const vf out = x[v] * up;
-        std::memcpy(g + v * L, &out, sizeof(vf));
-      }
+      silu_mul_in_place<R * QK / L>(g, u);  // the R rows' block
       for (int r = 0; r < R; ++r) {
         const int64_t i = (m + r) * nb + j;  // the block's index in h's scales
         quantize_block(g + r * QK, h.xq + i * QK, h.dx + i, h.sx + i, h.xsum ? h.xsum + i : nullptr);
