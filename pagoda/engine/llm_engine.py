@@ -94,12 +94,7 @@ class LLMEngine:
         if huge_pages_enabled():  # before the paths below, which take the weights' addresses
             moved = move_weights_to_huge_pages(self.model)
             logger.info("weights on huge pages: %.1f MiB", moved / 2**20)
-        if mc.compile_model:
-            self.compile_seconds += self.model.enable_compiled_forward(caches)
-        elif mc.fused_ops:
-            self.compile_seconds += self.model.enable_fused_ops(mc.torch_dtype)
-            self.compile_seconds += enable_gemv(self.model)  # bfloat16 and float32 linears
-            self.compile_seconds += self.model.enable_one_stream_forward(caches)  # where those kernels allow
+        # before the one-call forward, which takes the packed float32 weights' addresses for batched decodes
         if should_prepack(self.model, mc.torch_dtype, mc.prepack_weights, mc.compile_model):
             added, rows = prepack_linears(self.model)
             if rows is not None:
@@ -109,6 +104,12 @@ class LLMEngine:
             else:
                 logger.warning("prepack_weights: nothing packed (it applies to float32 weights, and to bfloat16 "
                                "ones where oneDNN supports bfloat16 on this CPU); dtype is %s", mc.torch_dtype)
+        if mc.compile_model:
+            self.compile_seconds += self.model.enable_compiled_forward(caches)
+        elif mc.fused_ops:
+            self.compile_seconds += self.model.enable_fused_ops(mc.torch_dtype)
+            self.compile_seconds += enable_gemv(self.model)  # bfloat16 and float32 linears
+            self.compile_seconds += self.model.enable_one_stream_forward(caches)  # where those kernels allow
         offload = self._make_offload_store(caches)
         # whose K/V a cached block holds: q4_1 layers compute other K/V than the float weights
         identity = f"{loaded.identity}:{mc.torch_dtype}:{mc.quantization}:{plan.spec.name}"

@@ -82,7 +82,8 @@ def _forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
             return gemv(x, layer.weight, layer.bias)
         packed = layer._pagoda_packed
         if packed is not None and rows in PACKED_ROWS[layer.weight.dtype]:
-            return linear_pointwise(x, packed, layer.bias, "none", [], "")
+            packed_call: Any = layer._pagoda_packed_call
+            return packed_call(x, packed, layer.bias)
         if rows and ONEDNN_FLOAT32 and layer.weight.dtype == x.dtype == torch.float32 and x.is_contiguous():
             return linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
         return F.linear(x, layer.weight, layer.bias)
@@ -93,12 +94,17 @@ def _forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
 def _install(layer: nn.Linear) -> None:
     if "forward" not in vars(layer):
         # plain attributes, found without nn.Module.__getattr__
-        layer._pagoda_gemv = layer._pagoda_packed = None  # type: ignore[assignment]
+        layer._pagoda_gemv = layer._pagoda_packed = layer._pagoda_packed_call = None  # type: ignore[assignment]
         layer.forward = _forward(layer)  # type: ignore[method-assign,assignment]
 
 
 def is_packed(layer: nn.Module) -> bool:
-    return getattr(layer, "_pagoda_packed", None) is not None
+    return packed_weight(layer) is not None
+
+
+def packed_weight(layer: nn.Module) -> torch.Tensor | None:
+    """The packed copy of a layer's weight (prepack_linears), or None."""
+    return getattr(layer, "_pagoda_packed", None)
 
 
 _GEMV_SOURCE = Path(__file__).with_name("gemv.cpp")
@@ -182,15 +188,80 @@ def should_prepack(model: nn.Module, dtype: torch.dtype, asked: bool | None, com
     return 0 < copy <= PREPACK_AUTO_MAX_BYTES
 
 
-def prepack_linears(model: nn.Module) -> tuple[int, range | None]:
-    """Gives every float32 or bfloat16 nn.Linear of the model a oneDNN-packed copy of its weight, used for
+_TILES_SOURCE = Path(__file__).with_name("f32_tiles.cpp")
+
+
+@functools.cache
+def tiles_library(portable: bool = False) -> Any:
+    """f32_tiles.cpp built (raises where it cannot be: no C++ compiler, ...)."""
+    lib = load_library(_TILES_SOURCE, {"PORTABLE": 1} if portable else {})
+    lib.pagoda_f32_tiles_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.pagoda_f32_tiles_linear.restype = None
+    lib.pagoda_f32_tiles_panel.restype = ctypes.c_int64
+    return lib
+
+
+def pack_tiles(w: torch.Tensor, panel: int) -> torch.Tensor:
+    """w (N, K) as f32_tiles.cpp reads it: (ceil(N / panel), K, panel), each panel's columns side by side for every
+    k, zeros past N."""
+    n, k = w.shape
+    padded = -(-n // panel) * panel
+    if padded != n:
+        w = torch.cat([w, w.new_zeros(padded - n, k)])
+    return w.reshape(padded // panel, panel, k).transpose(1, 2).contiguous()
+
+
+def _tiles_call(lib: Any, out_features: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                                                          torch.Tensor]:
+    """The packed forward of a float32 layer on tiles: x (M, K) -> (M, out_features)."""
+    fn = lib.pagoda_f32_tiles_linear
+
+    def call(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = x.contiguous()
+        y = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0],
+           out_features, x.shape[1])
+        return y
+
+    return call
+
+
+def _onednn_call(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def packed_kernel(layer: nn.Module) -> str | None:
+    """Which kernel a layer's packed copy is for: "tiles" (f32_tiles.cpp), "onednn", or None (no packed copy)."""
+    if not is_packed(layer):
+        return None
+    return "onednn" if layer._pagoda_packed_call is _onednn_call else "tiles"
+
+
+def prepack_linears(model: nn.Module, tiles: bool = True) -> tuple[int, range | None]:
+    """Gives every float32 or bfloat16 nn.Linear of the model a packed copy of its weight, used for
     PACKED_ROWS[dtype] rows; returns the bytes the copies take and the rows they serve ((0, None) if no
-    layer has a dtype oneDNN can pack here, packable_rows)."""
+    layer has a dtype that can be packed here, packable_rows). Float32 weights are packed in panels for
+    f32_tiles.cpp's kernel (tiles; where it cannot be built, logged, or with tiles=False, for oneDNN as bfloat16
+    ones are): FLOAT32_TILES has why."""
     added, used = 0, None
+    lib = None
+    if tiles and any(isinstance(m, nn.Linear) and not is_quantized(m) and m.weight.dtype == torch.float32
+                     and m.weight.is_contiguous() for m in model.modules()):
+        try:
+            lib = tiles_library()
+        except Exception as e:  # no C++ compiler, ...
+            logger.warning("could not compile the float32 tile kernel (%s); float32 linears pack for oneDNN", e)
     for module in model.modules():
         if isinstance(module, nn.Linear) and not is_quantized(module) and (rows := packable_rows(module.weight.dtype)):
             _install(module)
-            module._pagoda_packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 16)
-            added += module.weight.numel() * module.weight.element_size()
+            w = module.weight.detach()
+            bias = module.bias
+            if (lib is not None and w.dtype == torch.float32 and w.is_contiguous()
+                    and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+                packed, call = pack_tiles(w, lib.pagoda_f32_tiles_panel()), _tiles_call(lib, module.out_features)
+            else:
+                packed, call = torch.ops.mkldnn._reorder_linear_weight(w, 16), _onednn_call
+            module._pagoda_packed, module._pagoda_packed_call = packed, call  # type: ignore[assignment]
+            added += packed.numel() * packed.element_size()
             used = rows
     return added, used

@@ -49,8 +49,8 @@ def test_float32_gemv_matches_float64_linear(portable: bool, n: int, k: int) -> 
 
 def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """enable_gemv: bfloat16 linears take the GEMV for 1-GEMV_MAX_ROWS rows, the packed weight (after
-    prepack_linears) for the rest of PACKED_ROWS, F.linear beyond; float32 linears take the GEMV too, float64
-    ones are left alone."""
+    prepack_linears; oneDNN's) for the rest of PACKED_ROWS, F.linear beyond; float32 linears take the GEMV too, and
+    beyond its rows the tile kernel on their packed weight; float64 ones are left alone."""
     packed_calls: list[int] = []
     pointwise = torch.ops.mkldnn._linear_pointwise  # looked up when a layer's forward is built: patch first
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
@@ -70,13 +70,17 @@ def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         x = torch.randn(rows, 64).bfloat16()
         torch.testing.assert_close(bf16(x).float(), F.linear(x, bf16.weight, bf16.bias).float(), rtol=2**-7, atol=1e-2)
     assert calls == [1, top] and packed_calls == ([top + 1] if bf16_packable else [])
+    assert linear.packed_kernel(f32) == "tiles"
     f32_calls: list[int] = []
-    f32_gemv = f32._pagoda_gemv
+    tile_calls: list[int] = []
+    f32_gemv, f32_tiles = f32._pagoda_gemv, f32._pagoda_packed_call
     f32._pagoda_gemv = lambda x, w, b: f32_calls.append(x.shape[0]) or f32_gemv(x, w, b)
-    for rows in (1, top, top + 1):
+    f32._pagoda_packed_call = lambda x, w, b: tile_calls.append(x.shape[0]) or f32_tiles(x, w, b)
+    for rows in (1, top, top + 1, 2000):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(f32(x), F.linear(x, f32.weight, f32.bias), rtol=1e-5, atol=1e-5)
-    assert f32_calls == [1, top] and packed_calls == ([top + 1] if bf16_packable else []) + [top + 1]
+    assert f32_calls == [1, top] and tile_calls == [top + 1, 2000]
+    assert packed_calls == ([top + 1] if bf16_packable else [])  # no float32 step went to oneDNN
 
 
 def test_bfloat16_not_packed_where_onednn_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,7 +92,41 @@ def test_bfloat16_not_packed_where_onednn_cannot(monkeypatch: pytest.MonkeyPatch
     assert not linear.should_prepack(model, torch.bfloat16, None, compile_model=False)
     added, rows = linear.prepack_linears(model)
     assert not linear.is_packed(model[0]) and linear.is_packed(model[1])
-    assert added == model[1].weight.numel() * 4 and rows == linear.PACKED_ROWS[torch.float32]
+    packed = linear.packed_weight(model[1])
+    assert packed is not None and added == packed.numel() * 4 and rows == linear.PACKED_ROWS[torch.float32]
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (49, 1536), (7, 70), (130, 33), (300, 64)])
+def test_float32_tiles_match_float64_linear(portable: bool, n: int, k: int) -> None:
+    """f32_tiles.cpp's kernel on pack_tiles' layout against F.linear in float64: within float32 rounding of the sums;
+    N not a multiple of the panel's columns (a part panel, zeros past N), with and without bias, row counts around
+    the tile's rows (12 under AVX-512, 6 under AVX2, and their tails) and a large one; the portable build too."""
+    lib = linear.tiles_library(portable)
+    call = linear._tiles_call(lib, n)
+    g = torch.Generator().manual_seed(n + 7 * k)
+    w = torch.randn(n, k, generator=g)
+    panel = lib.pagoda_f32_tiles_panel()
+    packed = linear.pack_tiles(w, panel)
+    assert packed.shape == (-(-n // panel), k, panel) and torch.equal(packed[0, :, 1], w[1])
+    assert not packed[-1, :, n - (len(packed) - 1) * panel:].any()  # zeros past N
+    for bias in (None, torch.randn(n, generator=g)):
+        for m in (1, 5, 6, 7, 11, 12, 13, 25, 130):
+            x = torch.randn(m, k, generator=g)
+            want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            got = call(x, packed, bias)
+            assert got.dtype == torch.float32 and got.shape == (m, n)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_float32_packs_for_onednn_without_tiles() -> None:
+    """prepack_linears(tiles=False) (and where the tile kernel cannot be built) packs float32 weights for oneDNN,
+    whose results are F.linear's up to float32 rounding."""
+    layer = nn.Linear(40, 70)
+    linear.prepack_linears(nn.Sequential(layer), tiles=False)
+    assert linear.packed_kernel(layer) == "onednn"
+    x = torch.randn(9, 40)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bias", [False, True])

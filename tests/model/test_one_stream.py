@@ -271,6 +271,40 @@ def test_quantized_decode_steps_of_many_rows(tiny_model: tuple[str, Path], quant
     assert generate() == with_it
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_float32_decode_steps_on_tiles(tiny_model: tuple[str, Path], kv_cache_dtype: str) -> None:
+    """A float32 model with packed weights (the default) runs its linears on f32_tiles.cpp's kernel beyond the GEMV's
+    rows, and so its decode steps of any number of sequences go through the one call, lm_head included (the tiny
+    vocabulary of 300 ends in a part panel), with the eager forward's tokens and logprobs, exactly."""
+    from pagoda.layers.linear import packed_kernel
+
+    arch, folder = tiny_model
+    if arch == "qwen3":
+        return  # no one-call forward (per-head q/k norms)
+    llm = LLM(str(folder), dtype="float32", attention_backend="cpp", enable_prefix_caching=False, max_num_seqs=64,
+              kv_cache_dtype=kv_cache_dtype)
+    model = llm.engine.model
+    forward = model.one_stream_forward
+    assert packed_kernel(model.lm_head) == "tiles" and forward is not None and forward.max_rows > 64
+    n = 9  # every decode step has 9 rows: the prompts (8 tokens each) all go in the first step
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(8)] for _ in range(n)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=8, ignore_eos=True, logprobs=1) for i in range(n)]
+
+    def generate() -> list[tuple[list[int], list[dict[int, float]]]]:
+        return [(list(r.outputs[0].token_ids), list(r.outputs[0].logprobs or []))
+                for r in llm.generate(prompts, params, use_tqdm=False)]
+
+    rows: list[int] = []
+    prof = llm.engine.enable_profiling()
+    _count_rows(model, rows)
+    with_it = generate()
+    assert prof.counts["forward/one_call"] == 7 and [r for r in rows if r] == [n] * 7
+    assert prof.report()["forward/one_call/lm_head"]["ms_per_step"] > 0  # in the call
+    model.one_stream_forward = None
+    assert generate() == with_it
+
+
 def test_applies_to_decode_steps_only() -> None:
     """Decodes alone, up to max_rows of them (1 here, as a test of the limit); a prompt chunk, alone or with decodes:
     never."""

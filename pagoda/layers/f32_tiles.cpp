@@ -1,0 +1,107 @@
+// Float32 linears of batched steps on weights packed in panels: y (M, N) = x (M, K) @ w^T (+ bias), w packed as
+// (ceil(N / P), K, P), P = 2 * L columns a panel (32 under AVX-512, 16 under AVX2), zeros past N in the last one
+// (pagoda/layers/linear.py's pack_tiles). Each tile is MR rows x P columns of float32 sums kept in 2 * MR
+// registers; each k loads the panel's two vectors once and multiplies-adds them with each row's x[k] broadcast.
+// The threads split the panels: each streams its part of the weights once, in order, and runs all M rows past
+// each panel (K x P floats: 72 KiB for K = 576 under AVX-512, in L2).
+//
+// Why a kernel of our own: on the default model's shapes, a decode step's linears ran 1.05-1.49x faster than
+// oneDNN's on its own packed weights at 8-256 rows, and 0.98-1.03x on the decoder's shapes at 2,048
+// (`python -m pagoda.bench.f32_tiles`, BENCHMARKS.md, "Float32 linears on tiles of our own"); and, being a plain C
+// function with the GEMV's signature, it lets a float32 model's batched decode steps run in one C++ call
+// (pagoda/model/one_stream.cpp), where oneDNN's matmul cannot be called. Sums run over k in order per output, so
+// results differ from F.linear's and oneDNN's by float32 rounding only. Compiled by load_library after
+// cpp_vector.h.
+
+// Rows a tile: with 32 vector registers (AVX-512), 24 sums and the panel's two vectors (14 rows were no faster, ad
+// hoc); with 16 (AVX2), 12 sums, the two panel vectors and the broadcast.
+#if defined(__AVX512F__)
+constexpr int MR = 12;
+#else
+constexpr int MR = 6;
+#endif
+constexpr int64_t P = 2 * L;
+
+static inline vf load_vf(const float* p) {
+  vf r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+
+static inline void store_vf(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+// v in every lane: one broadcast (`vf{} + v` is an addition first, since 0 + -0 is not -0; a loop over the lanes
+// went through the stack).
+static inline vf splat(float v) {
+  vf r;
+#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+  const __m512 b = _mm512_set1_ps(v);
+  std::memcpy(&r, &b, sizeof(r));
+#elif defined(__AVX__) && !defined(PAGODA_PORTABLE)
+  const __m256 b = _mm256_set1_ps(v);
+  std::memcpy(&r, &b, sizeof(r));
+#else
+  for (int64_t i = 0; i < L; ++i) r[i] = v;
+#endif
+  return r;
+}
+
+// R rows x the panel's columns [0, cols) (cols <= P; fewer in a last panel, whose sums past N are not stored).
+template <int R>
+static inline void tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
+                        int64_t cols) {
+  vf acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    const vf b0 = load_vf(panel + k * P), b1 = load_vf(panel + k * P + L);
+    for (int r = 0; r < R; ++r) {
+      const vf a = splat(x[r * K + k]);
+      acc[r][0] = madd(a, b0, acc[r][0]);
+      acc[r][1] = madd(a, b1, acc[r][1]);
+    }
+  }
+  vf bias0{}, bias1{};
+  if (bias != nullptr && cols == P) {
+    bias0 = load_vf(bias);
+    bias1 = load_vf(bias + L);
+  }
+  for (int r = 0; r < R; ++r) {
+    if (cols == P) {
+      store_vf(y + r * N, acc[r][0] + bias0);
+      store_vf(y + r * N + L, acc[r][1] + bias1);
+      continue;
+    }
+    float sums[P];
+    store_vf(sums, acc[r][0]);
+    store_vf(sums + L, acc[r][1]);
+    for (int64_t c = 0; c < cols; ++c) y[r * N + c] = sums[c] + (bias != nullptr ? bias[c] : 0.0f);
+  }
+}
+
+// The last rows (fewer than MR) of a panel.
+template <int R>
+static void tail(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N, int64_t cols,
+                 int64_t left) {
+  if constexpr (R > 0) {
+    if (left == R) tile<R>(x, K, panel, bias, y, N, cols);
+    else tail<R - 1>(x, K, panel, bias, y, N, cols, left);
+  }
+}
+
+// The columns a panel holds (pack_tiles packs for it).
+extern "C" int64_t pagoda_f32_tiles_panel() { return P; }
+
+// x (M, K), wp: w (N, K) packed by pack_tiles, bias (N) or null, y (M, N); all float32, contiguous; M >= 0.
+extern "C" void pagoda_f32_tiles_linear(const float* x, const float* wp, const float* bias, float* y, int64_t M,
+                                        int64_t N, int64_t K) {
+  const int64_t panels = (N + P - 1) / P;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    const float* panel = wp + p * K * P;
+    const float* b = bias != nullptr ? bias + p * P : nullptr;
+    const int64_t cols = std::min<int64_t>(P, N - p * P);
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) tile<MR>(x + m * K, K, panel, b, y + m * N + p * P, N, cols);
+    tail<MR - 1>(x + m * K, K, panel, b, y + m * N + p * P, N, cols, M - m);
+  }
+}
