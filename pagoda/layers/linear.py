@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 # never runs), until the decoder's linears alone ran 1.045x faster packed at 2,048 rows (ad hoc, alternated) and
 # float32 prompts 1.035x end to end, the 128-request workload 1.045x (Zen 4, `bench.alternate`, BENCHMARKS.md).
 PACKED_ROWS: dict[torch.dtype, range] = {torch.float32: range(3, 1 << 62), torch.bfloat16: range(1, 1025)}
+# Rows a float32 layer's tiles take (f32_tiles.cpp): every step, before the GEMV, whose rows they stream as fast as
+# a read of the weights and 1.03-1.7x faster than the GEMV at 1-4 rows (ad hoc, one step's 120 linears in turn, Zen 4)
+TILE_ROWS = range(1, 1 << 62)
 
 
 # Rows (tokens in the step) that bfloat16 and float32 linears give to the C++ GEMV (gemv.cpp) once enable_gemv
@@ -69,21 +72,24 @@ ONEDNN_FLOAT32 = True
 
 
 def _forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The forward of a linear with the paths this module adds, each taken where it applies: the C++ GEMV
-    (layer._pagoda_gemv, set by enable_gemv) for 1-GEMV_MAX_ROWS rows, the oneDNN-packed weight
-    (layer._pagoda_packed, set by prepack_linears) for PACKED_ROWS, oneDNN on the plain weight for other float32
-    steps (ONEDNN_FLOAT32), F.linear otherwise."""
+    """The forward of a linear with the paths this module adds, each taken where it applies: a float32 weight's tiles
+    (layer._pagoda_tiles, set by prepack_linears) for any rows, the C++ GEMV (layer._pagoda_gemv, set by
+    enable_gemv) for 1-GEMV_MAX_ROWS rows, the oneDNN-packed weight (layer._pagoda_packed, set by prepack_linears)
+    for PACKED_ROWS, oneDNN on the plain weight for other float32 steps (ONEDNN_FLOAT32), F.linear otherwise."""
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
+        tiles = layer._pagoda_tiles
+        if tiles is not None and rows and x.dtype == torch.float32:
+            tiles_call: Any = layer._pagoda_tiles_call
+            return tiles_call(x, tiles, layer.bias)
         gemv: Any = layer._pagoda_gemv
         if gemv is not None and 1 <= rows <= GEMV_MAX_ROWS and x.dtype == layer.weight.dtype and x.is_contiguous():
             return gemv(x, layer.weight, layer.bias)
         packed = layer._pagoda_packed
         if packed is not None and rows in PACKED_ROWS[layer.weight.dtype]:
-            packed_call: Any = layer._pagoda_packed_call
-            return packed_call(x, packed, layer.bias)
+            return linear_pointwise(x, packed, layer.bias, "none", [], "")
         if rows and ONEDNN_FLOAT32 and layer.weight.dtype == x.dtype == torch.float32 and x.is_contiguous():
             return linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
         return F.linear(x, layer.weight, layer.bias)
@@ -94,17 +100,25 @@ def _forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
 def _install(layer: nn.Linear) -> None:
     if "forward" not in vars(layer):
         # plain attributes, found without nn.Module.__getattr__
-        layer._pagoda_gemv = layer._pagoda_packed = layer._pagoda_packed_call = None  # type: ignore[assignment]
+        layer._pagoda_gemv = layer._pagoda_packed = None  # type: ignore[assignment]
+        layer._pagoda_tiles = layer._pagoda_tiles_call = None  # type: ignore[assignment]
         layer.forward = _forward(layer)  # type: ignore[method-assign,assignment]
 
 
 def is_packed(layer: nn.Module) -> bool:
-    return packed_weight(layer) is not None
+    return packed_kernel(layer) is not None
 
 
-def packed_weight(layer: nn.Module) -> torch.Tensor | None:
-    """The packed copy of a layer's weight (prepack_linears), or None."""
-    return getattr(layer, "_pagoda_packed", None)
+def packed_kernel(layer: nn.Module) -> str | None:
+    """Which kernel a layer's packed copy (prepack_linears) is for: "tiles" (f32_tiles.cpp), "onednn", or None."""
+    if getattr(layer, "_pagoda_tiles", None) is not None:
+        return "tiles"
+    return "onednn" if getattr(layer, "_pagoda_packed", None) is not None else None
+
+
+def tiles_of(layer: nn.Module) -> torch.Tensor | None:
+    """A float32 layer's weight packed for f32_tiles.cpp (prepack_linears), or None."""
+    return getattr(layer, "_pagoda_tiles", None)
 
 
 _GEMV_SOURCE = Path(__file__).with_name("gemv.cpp")
@@ -226,27 +240,16 @@ def _tiles_call(lib: Any, out_features: int) -> Callable[[torch.Tensor, torch.Te
     return call
 
 
-def _onednn_call(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def packed_kernel(layer: nn.Module) -> str | None:
-    """Which kernel a layer's packed copy is for: "tiles" (f32_tiles.cpp), "onednn", or None (no packed copy)."""
-    if not is_packed(layer):
-        return None
-    return "onednn" if layer._pagoda_packed_call is _onednn_call else "tiles"
-
-
 def prepack_linears(model: nn.Module, tiles: bool = True) -> tuple[int, range | None]:
-    """Gives every float32 or bfloat16 nn.Linear of the model a packed copy of its weight, used for
-    PACKED_ROWS[dtype] rows; returns the bytes the copies take and the rows they serve ((0, None) if no
-    layer has a dtype that can be packed here, packable_rows). Float32 weights are packed in panels for
-    f32_tiles.cpp's kernel (tiles; where it cannot be built, logged, or with tiles=False, for oneDNN as bfloat16
-    ones are): FLOAT32_TILES has why."""
+    """Gives every float32 or bfloat16 nn.Linear of the model a packed copy of its weight; returns the bytes the
+    copies take and the rows they serve ((0, None) if no layer has a dtype that can be packed here,
+    packable_rows). Float32 weights are packed in panels for f32_tiles.cpp's kernel, which then takes every step
+    (TILE_ROWS); where it cannot be built (logged), or with tiles=False, they are packed for oneDNN as bfloat16 ones
+    are, for PACKED_ROWS[dtype]."""
     added, used = 0, None
     lib = None
     if tiles and any(isinstance(m, nn.Linear) and not is_quantized(m) and m.weight.dtype == torch.float32
-                     and m.weight.is_contiguous() for m in model.modules()):
+                     for m in model.modules()):
         try:
             lib = tiles_library()
         except Exception as e:  # no C++ compiler, ...
@@ -254,14 +257,14 @@ def prepack_linears(model: nn.Module, tiles: bool = True) -> tuple[int, range | 
     for module in model.modules():
         if isinstance(module, nn.Linear) and not is_quantized(module) and (rows := packable_rows(module.weight.dtype)):
             _install(module)
-            w = module.weight.detach()
-            bias = module.bias
-            if (lib is not None and w.dtype == torch.float32 and w.is_contiguous()
+            w, bias = module.weight.detach(), module.bias
+            if (lib is not None and w.dtype == torch.float32
                     and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
-                packed, call = pack_tiles(w, lib.pagoda_f32_tiles_panel()), _tiles_call(lib, module.out_features)
+                packed = module._pagoda_tiles = pack_tiles(w, lib.pagoda_f32_tiles_panel())  # type: ignore[assignment]
+                module._pagoda_tiles_call = _tiles_call(lib, module.out_features)  # type: ignore[assignment]
+                rows = TILE_ROWS
             else:
-                packed, call = torch.ops.mkldnn._reorder_linear_weight(w, 16), _onednn_call
-            module._pagoda_packed, module._pagoda_packed_call = packed, call  # type: ignore[assignment]
+                packed = module._pagoda_packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)  # type: ignore[assignment]
             added += packed.numel() * packed.element_size()
             used = rows
     return added, used

@@ -40,15 +40,7 @@ from pagoda.layers.attention.cpp import CppAttentionBackend, decode_spans, write
 from pagoda.layers.attention.cpp import _library_for as _attention_library
 from pagoda.layers.attention.cpp import supports as cpp_supports
 from pagoda.layers.cpp_build import load_library
-from pagoda.layers.linear import (
-    GEMV_DTYPES,
-    GEMV_MAX_ROWS,
-    _gemv_library,
-    gemv_function,
-    packed_kernel,
-    packed_weight,
-    tiles_library,
-)
+from pagoda.layers.linear import GEMV_DTYPES, GEMV_MAX_ROWS, _gemv_library, gemv_function, tiles_library, tiles_of
 from pagoda.layers.q4_linear import Q8Linear, packed_of
 
 if TYPE_CHECKING:
@@ -85,15 +77,15 @@ class OneStreamForward:
         attention = _attention_library(kv_caches[0], cfg.num_heads)
         dtype = self._dtype = model.model.embed_tokens.weight.dtype
         quantized = packed_of(first_attn.qkv_proj)  # if it runs a packed kernel, all run that one (_unsupported)
-        # A float32 model whose every linear has its weight packed in tiles (linear.py's prepack_linears): the eager
-        # path runs f32_tiles.cpp's kernel beyond the GEMV's rows, and so does the loop (the same bits)
-        tiles = quantized is None and dtype == torch.float32 and all(
-            packed_kernel(m) == "tiles" for m in model.modules() if isinstance(m, nn.Linear))
-        # The most decodes a step may have to be taken: the packed kernels take any number of rows, and are what the
-        # eager path runs; the GEMV is the eager path's kernel for 1-GEMV_MAX_ROWS rows (oneDNN's beyond, where a
-        # float32 model has no tiles).
+        # A float32 model whose linears have their weights packed in tiles (linear.py's prepack_linears; all of them
+        # or none, _unsupported) runs f32_tiles.cpp's kernel at every row count, as the eager path does
+        tiles = tiles_of(first_attn.qkv_proj) is not None
+        # The most decodes a step may have to be taken: the packed kernels and the tiles take any number of rows,
+        # and are what the eager path runs; the GEMV is the eager path's kernel for 1-GEMV_MAX_ROWS rows (oneDNN's
+        # beyond).
         self.max_rows = sys.maxsize if quantized is not None or tiles else GEMV_MAX_ROWS
-        linear_fn = quantized.kernel if quantized is not None else gemv_function(_gemv_library(), dtype)
+        linear_fn = (quantized.kernel if quantized is not None else tiles_library().pagoda_f32_tiles_linear if tiles
+                     else gemv_function(_gemv_library(), dtype))
         lm_head = _lm_head(model)
         self._lm_w = lm_head[1] if lm_head is not None else None
         # Steps of more rows than the lm_head's kernel takes leave its logits to the caller (a quantized model whose
@@ -130,34 +122,23 @@ class OneStreamForward:
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
-        def weight(linear: nn.Linear, tiled: bool) -> int | None:  # a quantized layer's packed weights, or the tiles
+        def weight(linear: nn.Linear) -> int | None:  # a quantized layer's packed weights, a float32 one's tiles
             packed = packed_of(linear)
-            return ptr(packed.w if packed is not None else packed_weight(linear) if tiled else linear.weight)
+            return ptr(packed.w if packed is not None else tiles_of(linear) if tiles else linear.weight)
 
         def bias(linear: nn.Linear) -> int | None:  # the bias the layer's forward adds
             packed = packed_of(linear)
             return ptr(packed.bias if packed is not None else linear.bias)
 
-        def layer_ptrs(tiled: bool) -> Any:
-            ptrs: list[int | None] = []
-            for layer, cache in zip(layers, kv_caches, strict=True):
-                attn, mlp = layer.self_attn, layer.mlp
-                ptrs += [ptr(layer.input_layernorm.weight), weight(attn.qkv_proj, tiled), bias(attn.qkv_proj),
-                         weight(attn.o_proj, tiled), bias(attn.o_proj), ptr(layer.post_attention_layernorm.weight),
-                         weight(mlp.gate_up_proj, tiled), weight(mlp.down_proj, tiled), ptr(cache.k), ptr(cache.v),
-                         ptr(cache.k_scale), ptr(cache.v_scale)]
-            assert len(ptrs) == _LAYER_PTRS * len(layers)
-            return (ctypes.c_void_p * len(ptrs))(*ptrs)
-
-        self._layers = layer_ptrs(False)
-        # Steps of more rows than the GEMV's, on tiles: the same calls with the tile kernel for every linear (the
-        # lm_head included: its own packed copy) and the tiled weights
-        self._tiled: tuple[Any, Any, int | None] | None = None
-        if tiles:
-            tiled_fns = list(fns)
-            tiled_fns[0] = tiled_fns[6] = tiles_library().pagoda_f32_tiles_linear
-            self._tiled = ((ctypes.c_void_p * len(fns))(*[_address(f) for f in tiled_fns]), layer_ptrs(True),
-                           ptr(packed_weight(model.lm_head)) if lm_head is not None else None)
+        ptrs: list[int | None] = []
+        for layer, cache in zip(layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            ptrs += [ptr(layer.input_layernorm.weight), weight(attn.qkv_proj), bias(attn.qkv_proj),
+                     weight(attn.o_proj), bias(attn.o_proj), ptr(layer.post_attention_layernorm.weight),
+                     weight(mlp.gate_up_proj), weight(mlp.down_proj), ptr(cache.k), ptr(cache.v), ptr(cache.k_scale),
+                     ptr(cache.v_scale)]
+        assert len(ptrs) == _LAYER_PTRS * len(layers)
+        self._layers = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self._num_layers = len(layers)
         self._cfg = cfg
         kv_as_f32 = dtype == torch.bfloat16 and kv_caches[0].spec.quantized  # an int8 cache's write takes float32
@@ -222,17 +203,13 @@ class OneStreamForward:
         cfg = self._cfg
         self._scratch(b, b * spans * cfg.num_heads * (cfg.head_dim + 2))
         out = torch.empty((b, self._hidden), dtype=self._dtype)
-        fns, layers, lm_w = self._fns, self._layers, self._lm_w
         lm_in_call = b <= self._lm_rows  # 0 where the lm_head is never in the call
-        if self._tiled is not None and b > GEMV_MAX_ROWS:
-            fns, layers, lm_w = self._tiled
-            lm_in_call = lm_w is not None
         logits = torch.empty((b, self._vocab), dtype=self._logits_dtype) if lm_in_call else None
-        failed = self._fn(fns, layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale,
+        failed = self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale,
                           self._bufs, b, ids.data_ptr(), self._embed.data_ptr(), self._final_norm.data_ptr(),
                           self._cos.data_ptr(), self._sin.data_ptr(), self._cos.stride(0), self._cos.shape[0],
                           pos.data_ptr(), slots.data_ptr(), table.data_ptr(), seq_lens.data_ptr(), width, span_blocks,
-                          out.data_ptr(), lm_w if lm_in_call else None,
+                          out.data_ptr(), self._lm_w if lm_in_call else None,
                           None if logits is None else logits.data_ptr(), self._vocab,
                           None if op_seconds is None else _seconds_buffer(op_seconds))
         return None if failed else (out, logits)
@@ -256,6 +233,10 @@ def _lm_head(model: LlamaForCausalLM) -> tuple[Any, int, torch.dtype, int] | Non
     if packed is not None:  # it takes float32 rows and writes float32
         ok = packed.bias is None and dtype == torch.float32
         return (packed.kernel, packed.w.data_ptr(), torch.float32, sys.maxsize) if ok else None
+    tiles = tiles_of(lm)
+    if tiles is not None:  # a float32 model's: its own packed copy
+        ok = dtype == torch.float32
+        return (tiles_library().pagoda_f32_tiles_linear, tiles.data_ptr(), torch.float32, sys.maxsize) if ok else None
     if getattr(lm, "_pagoda_gemv", None) is None or not lm.weight.is_contiguous() or lm.weight.dtype != dtype:
         return None
     return gemv_function(_gemv_library(), dtype), lm.weight.data_ptr(), dtype, GEMV_MAX_ROWS
@@ -284,11 +265,11 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str 
         return "the model is not bfloat16 or float32"
     if model.ops.lib is None or model.ops.dtype != dtype:
         return "the fused elementwise ops are off"
-    kinds = {type(packed_of(m)) for m in linears}
+    kinds = {(type(packed_of(m)), tiles_of(m) is not None) for m in linears}
     if len(kinds) > 1:
-        return "the linears do not all run the same kernel (Q4_1, Q8_0 or the GEMV)"
-    quantized = [packed_of(m) is not None for m in linears]
-    if not linears or (not all(quantized) and any(getattr(m, "_pagoda_gemv", None) is None for m in linears)):
+        return "the linears do not all run the same kernel (Q4_1, Q8_0, the float32 tiles or the GEMV)"
+    packed = [packed_of(m) is not None or tiles_of(m) is not None for m in linears]
+    if not linears or (not all(packed) and any(getattr(m, "_pagoda_gemv", None) is None for m in linears)):
         return "the linears have no GEMV"
     backend = model.backend
     if not isinstance(backend, CppAttentionBackend) or not backend.kernel_ready or backend.fallback:

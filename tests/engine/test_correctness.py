@@ -123,8 +123,8 @@ def test_prepack_weights_by_default_for_small_float32_and_bfloat16_models(tiny_m
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
     not BF16_PACKABLE, reason="oneDNN does not pack bfloat16 weights on this CPU (AVX-512 BW/VL/DQ needed)"))])
 def test_prepacked_weights_match_plain(tiny_model: tuple[str, Path], dtype: str) -> None:
-    """--prepack-weights: oneDNN-packed linears (3-512-token steps in float32, 1-1024 in bfloat16) give the
-    plain engine's greedy tokens, and logprobs equal up to float rounding."""
+    """--prepack-weights: packed linears (float32's tiles at every step, oneDNN's 1-1024-token steps in bfloat16) give
+    the plain engine's greedy tokens, and logprobs equal up to float rounding."""
     from torch import nn
 
     from pagoda.layers.linear import is_packed

@@ -73,13 +73,13 @@ def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     assert linear.packed_kernel(f32) == "tiles"
     f32_calls: list[int] = []
     tile_calls: list[int] = []
-    f32_gemv, f32_tiles = f32._pagoda_gemv, f32._pagoda_packed_call
+    f32_gemv, f32_tiles = f32._pagoda_gemv, f32._pagoda_tiles_call
     f32._pagoda_gemv = lambda x, w, b: f32_calls.append(x.shape[0]) or f32_gemv(x, w, b)
-    f32._pagoda_packed_call = lambda x, w, b: tile_calls.append(x.shape[0]) or f32_tiles(x, w, b)
+    f32._pagoda_tiles_call = lambda x, w, b: tile_calls.append(x.shape[0]) or f32_tiles(x, w, b)
     for rows in (1, top, top + 1, 2000):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(f32(x), F.linear(x, f32.weight, f32.bias), rtol=1e-5, atol=1e-5)
-    assert f32_calls == [1, top] and tile_calls == [top + 1, 2000]
+    assert f32_calls == [] and tile_calls == [1, top, top + 1, 2000]  # the tiles before the GEMV
     assert packed_calls == ([top + 1] if bf16_packable else [])  # no float32 step went to oneDNN
 
 
@@ -92,8 +92,8 @@ def test_bfloat16_not_packed_where_onednn_cannot(monkeypatch: pytest.MonkeyPatch
     assert not linear.should_prepack(model, torch.bfloat16, None, compile_model=False)
     added, rows = linear.prepack_linears(model)
     assert not linear.is_packed(model[0]) and linear.is_packed(model[1])
-    packed = linear.packed_weight(model[1])
-    assert packed is not None and added == packed.numel() * 4 and rows == linear.PACKED_ROWS[torch.float32]
+    packed = linear.tiles_of(model[1])
+    assert packed is not None and added == packed.numel() * 4 and rows == linear.TILE_ROWS
 
 
 @pytest.mark.parametrize("portable", [False, True])
