@@ -15,7 +15,7 @@ from pagoda.core.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.output_processor import ParentState, new_parent
 from pagoda.layers.attention import PagedKVCache, get_attention_backend
-from pagoda.layers.linear import enable_gemv, prepack_linears, should_prepack
+from pagoda.layers.linear import enable_gemv, prepack_linears, should_prepack, tiles_of
 from pagoda.layers.q4_linear import packed_of, quantize_linears
 from pagoda.model.loader import load_model
 from pagoda.outputs import RequestOutput
@@ -53,16 +53,21 @@ class EngineStats:
 
 
 def move_weights_to_huge_pages(model: nn.Module) -> int:
-    """Copy the model's parameters and packed weights (--quantization) into one huge-page region
-    (host_memory.move_to_huge_pages: a decode step streams through all of them), free the old copies, and return
-    the bytes moved. Call before anything keeps a weight's address (the fused and one-call paths, prepacking)."""
+    """Copy the model's parameters, packed weights (--quantization) and float32 tiles (prepack_linears) into one
+    huge-page region (host_memory.move_to_huge_pages: a decode step streams through all of them), free the old
+    copies, and return the bytes moved. Call before anything keeps a weight's address (the fused and one-call
+    paths). The tiles on 4 KiB pages had made one float32 stream's step 1.45x slower than the GEMV's on huge pages
+    (the hardware prefetchers stop at each page's end; BENCHMARKS.md, "Float32 linears on tiles of our own")."""
     params = [p for p in model.parameters() if p.numel()]  # tied weights once
     packed = [q for q in map(packed_of, model.modules()) if q is not None]
-    copies = move_to_huge_pages([p.data for p in params] + [q.w for q in packed])
+    tiled = [(m, t) for m in model.modules() if (t := tiles_of(m)) is not None]
+    copies = move_to_huge_pages([p.data for p in params] + [q.w for q in packed] + [t for _, t in tiled])
     for p, copy in zip(params, copies[:len(params)], strict=True):
         p.data = copy
-    for q, copy in zip(packed, copies[len(params):], strict=True):
+    for q, copy in zip(packed, copies[len(params):len(params) + len(packed)], strict=True):
         q.w = copy
+    for (m, _), copy in zip(tiled, copies[len(params) + len(packed):], strict=True):
+        m._pagoda_tiles = copy
     release_free_heap()
     return sum(c.numel() * c.element_size() for c in copies)
 
@@ -91,10 +96,7 @@ class LLMEngine:
             self.compile_seconds += seconds
             logger.info("quantization %s: %d linear layers, %.1f MiB of packed weights", mc.quantization, count,
                         nbytes / 2**20)
-        if huge_pages_enabled():  # before the paths below, which take the weights' addresses
-            moved = move_weights_to_huge_pages(self.model)
-            logger.info("weights on huge pages: %.1f MiB", moved / 2**20)
-        # before the one-call forward, which takes the packed float32 weights' addresses for batched decodes
+        # before the huge pages, which take the float32 tiles too
         if should_prepack(self.model, mc.torch_dtype, mc.prepack_weights, mc.compile_model):
             added, rows = prepack_linears(self.model)
             if rows is not None:
@@ -104,6 +106,9 @@ class LLMEngine:
             else:
                 logger.warning("prepack_weights: nothing packed (it applies to float32 weights, and to bfloat16 "
                                "ones where oneDNN supports bfloat16 on this CPU); dtype is %s", mc.torch_dtype)
+        if huge_pages_enabled():  # before the paths below, which take the weights' addresses
+            moved = move_weights_to_huge_pages(self.model)
+            logger.info("weights on huge pages: %.1f MiB", moved / 2**20)
         if mc.compile_model:
             self.compile_seconds += self.model.enable_compiled_forward(caches)
         elif mc.fused_ops:

@@ -24,6 +24,10 @@ constexpr int MR = 6;
 #endif
 constexpr int64_t P = 2 * L;
 
+#ifndef PAGODA_SPLIT_K
+#define PAGODA_SPLIT_K 1
+#endif
+
 static inline vf load_vf(const float* p) {
   vf r;
   std::memcpy(&r, p, sizeof(r));
@@ -52,14 +56,37 @@ static inline vf splat(float v) {
 template <int R>
 static inline void tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
                         int64_t cols) {
-  vf acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vf{};
-  for (int64_t k = 0; k < K; ++k) {
+  // U sets of sums over interleaved k, added at the end: a tile of few rows has too few chains of multiply-adds
+  // (2 at one row) to keep up with the weights' stream
+  constexpr int U = PAGODA_SPLIT_K && R < 4 ? 4 / R : 1;
+  vf acc[U][R][2];
+  for (int u = 0; u < U; ++u) {
+    for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = vf{};
+  }
+  int64_t k = 0;
+  for (; k + U <= K; k += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const vf b0 = load_vf(panel + (k + u) * P), b1 = load_vf(panel + (k + u) * P + L);
+      for (int r = 0; r < R; ++r) {
+        const vf a = splat(x[r * K + k + u]);
+        acc[u][r][0] = madd(a, b0, acc[u][r][0]);
+        acc[u][r][1] = madd(a, b1, acc[u][r][1]);
+      }
+    }
+  }
+  for (; k < K; ++k) {
     const vf b0 = load_vf(panel + k * P), b1 = load_vf(panel + k * P + L);
     for (int r = 0; r < R; ++r) {
       const vf a = splat(x[r * K + k]);
-      acc[r][0] = madd(a, b0, acc[r][0]);
-      acc[r][1] = madd(a, b1, acc[r][1]);
+      acc[0][r][0] = madd(a, b0, acc[0][r][0]);
+      acc[0][r][1] = madd(a, b1, acc[0][r][1]);
+    }
+  }
+  for (int u = 1; u < U; ++u) {
+    for (int r = 0; r < R; ++r) {
+      acc[0][r][0] += acc[u][r][0];
+      acc[0][r][1] += acc[u][r][1];
     }
   }
   vf bias0{}, bias1{};
@@ -69,13 +96,13 @@ static inline void tile(const float* x, int64_t K, const float* panel, const flo
   }
   for (int r = 0; r < R; ++r) {
     if (cols == P) {
-      store_vf(y + r * N, acc[r][0] + bias0);
-      store_vf(y + r * N + L, acc[r][1] + bias1);
+      store_vf(y + r * N, acc[0][r][0] + bias0);
+      store_vf(y + r * N + L, acc[0][r][1] + bias1);
       continue;
     }
     float sums[P];
-    store_vf(sums, acc[r][0]);
-    store_vf(sums + L, acc[r][1]);
+    store_vf(sums, acc[0][r][0]);
+    store_vf(sums + L, acc[0][r][1]);
     for (int64_t c = 0; c < cols; ++c) y[r * N + c] = sums[c] + (bias != nullptr ? bias[c] : 0.0f);
   }
 }
