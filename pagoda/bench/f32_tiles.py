@@ -1,45 +1,36 @@
-"""A plain float32 tile kernel (pagoda/bench/f32_tiles.cpp: 12 rows x 32 columns of sums over weights packed as
-(N / 32, K, 32)) against oneDNN on weights reordered into its blocked layout (`_reorder_linear_weight`, then
-`_linear_pointwise`: the engine's float32 linears beyond the GEMV's rows, pagoda/layers/linear.py), at the default
-model's shapes (q/k/v, o, gate/up, down, the lm_head). Not in the engine: it measures how far oneDNN is from what a
-simple kernel reaches here (BENCHMARKS.md, "A lead for float32"). The sides alternate call by call; medians over
---iters calls. Each side's output is checked against the other's (max_abs_diff; float32 sums in another order).
+"""The engine's float32 tile kernel (pagoda/layers/f32_tiles.cpp: 12 rows x 32 columns of sums under AVX-512 over
+weights packed as (N / 32, K, 32), linear.py's pack_tiles) against oneDNN on weights reordered into its blocked
+layout (`_reorder_linear_weight`, then `_linear_pointwise`: the engine's float32 linears before the tiles, and still
+where the kernel cannot be built), at the default model's shapes (q/k/v, o, gate/up, down, the lm_head). The sides
+alternate call by call; medians over --iters calls. Each side's output is checked against the other's
+(max_abs_diff; float32 sums in another order). BENCHMARKS.md, "Float32 linears on tiles of our own".
 
     python -m pagoda.bench.f32_tiles --rows 16,128,2048
     python -m pagoda.bench.f32_tiles --step --rows 128     # one decode step's matmuls: 30 layers, each its own weight
 
 `--step`: per row count, every linear of a decode step in turn (--layers layers of the four shapes and the lm_head,
 ~540 MB of float32 weights at 30, streamed from memory as the model streams them) instead of one shape at a time
-with its weight in the caches. AVX-512 CPUs only.
+with its weight in the caches.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagoda.bench.common import machine_info
-from pagoda.layers.cpp_build import load_library
+from pagoda.layers.linear import pack_tiles, tiles_library
 
 # (in, out) of the default model's linears as Pagoda runs them, then its lm_head
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
 LM_HEAD = (576, 49152)
-TILE_COLUMNS = 32
 PACK_ROWS_HINT = 16  # the batch size oneDNN's reorder is told, as pagoda/layers/linear.py's prepack_linears tells it
-
-
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """w (N, K) -> (N / 32, K, 32): each panel's 32 columns side by side for every k."""
-    n, k = w.shape
-    return w.reshape(n // TILE_COLUMNS, TILE_COLUMNS, k).permute(0, 2, 1).contiguous()
 
 
 def _median_ms(sides: dict[str, Callable[[], object]], iters: int) -> dict[str, float]:
@@ -60,11 +51,7 @@ def main() -> None:
     p.add_argument("--step", action="store_true", help="a decode step's linears in turn, each its own weight")
     p.add_argument("--layers", type=int, default=30, help="layers of the step (--step)")
     args = p.parse_args()
-    lib = load_library(Path(__file__).with_name("f32_tiles.cpp"), {})
-    if not lib.pagoda_f32_tiles_built():
-        raise SystemExit("f32_tiles needs AVX-512 (this build has none)")
-    lib.pagoda_f32_tiles_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-    lib.pagoda_f32_tiles_linear.restype = None
+    lib = tiles_library()
     g = torch.Generator().manual_seed(0)
     shapes = SHAPES * args.layers + [LM_HEAD] if args.step else SHAPES + [LM_HEAD]
     for rows in (int(r) for r in args.rows.split(",")):
@@ -78,7 +65,8 @@ def _measure(lib: Any, rows: int, shapes: list[tuple[int, int]], step: bool, ite
     layers = []
     for k, n in shapes:
         w = torch.randn(n, k, generator=g) * 0.05
-        layers.append((k, n, pack(w), torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)))
+        layers.append((k, n, pack_tiles(w, lib.pagoda_f32_tiles_panel()),
+                       torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)))
     xs = {k: torch.randn(rows, k, generator=g) for k in {k for k, _ in shapes}}
     ys = {n: torch.empty(rows, n) for n in {n for _, n in shapes}}
 
@@ -87,8 +75,8 @@ def _measure(lib: Any, rows: int, shapes: list[tuple[int, int]], step: bool, ite
                         for k, _, _, packed in group]
 
     def tiles(group: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> Callable[[], object]:
-        return lambda: [lib.pagoda_f32_tiles_linear(xs[k].data_ptr(), wp.data_ptr(), ys[n].data_ptr(), rows, n, k)
-                        for k, n, wp, _ in group]
+        return lambda: [lib.pagoda_f32_tiles_linear(xs[k].data_ptr(), wp.data_ptr(), None, ys[n].data_ptr(), rows,
+                                                    n, k) for k, n, wp, _ in group]
 
     results: list[dict[str, object]] = []
     for group in [layers] if step else [[layer] for layer in layers]:

@@ -94,9 +94,9 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
 def matmul_peak(model: Any) -> dict[str, float]:
     """The matmul rate this machine reaches now in the model's dtype, FLOP/s by matmul: the best of 40 timed
     (1024 x hidden) @ (hidden x intermediate) matmuls, the largest linear layer of the model, by F.linear and
-    (float32) by oneDNN's matmul on the plain weight and on the packed one, which the engine's float32 linears use
-    (layers/linear.py), alternated call by call. Its dtype is the lm_head's (the model's): with --quantization the
-    layers multiply int8 instead, and the rate says what float32 matmuls allow."""
+    (float32) by oneDNN's matmul on the plain weight and on its packed one, and by the engine's tile kernel
+    (layers/f32_tiles.cpp, which its float32 linears use), alternated call by call. Its dtype is the lm_head's (the
+    model's): with --quantization the layers multiply int8 instead, and the rate says what float32 matmuls allow."""
     import torch
 
     w = torch.randn(model.config.intermediate_size, model.config.hidden_size, dtype=model.lm_head.weight.dtype)
@@ -104,10 +104,16 @@ def matmul_peak(model: Any) -> dict[str, float]:
     matmuls = {"f_linear": lambda: torch.nn.functional.linear(x, w)}
     if w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
         matmuls["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        # and on the weight packed as prepack_linears packs it, which the engine's float32 steps of 3 or more rows
-        # use (layers/linear.py): 1.03-1.04x the plain weight's rate on the Zen 4 machine (BENCHMARKS.md)
+        # and on the weight packed as prepack_linears packed it before the tiles: 1.03-1.04x the plain weight's
+        # rate on the Zen 4 machine (BENCHMARKS.md)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
         matmuls["onednn_packed"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    if w.dtype == torch.float32:
+        from pagoda.layers.linear import _tiles_call, pack_tiles, tiles_library
+
+        lib = tiles_library()
+        tiles, tiles_call = pack_tiles(w, lib.pagoda_f32_tiles_panel()), _tiles_call(lib, w.shape[0])
+        matmuls["tiles"] = lambda: tiles_call(x, tiles, None)
     best = dict.fromkeys(matmuls, float("inf"))
     for _ in range(40):  # best of many: the peak, not a mean the noisy neighbours drag down; alternated
         for name, matmul in matmuls.items():

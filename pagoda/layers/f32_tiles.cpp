@@ -1,17 +1,20 @@
-// Float32 linears of batched steps on weights packed in panels: y (M, N) = x (M, K) @ w^T (+ bias), w packed as
-// (ceil(N / P), K, P), P = 2 * L columns a panel (32 under AVX-512, 16 under AVX2), zeros past N in the last one
-// (pagoda/layers/linear.py's pack_tiles). Each tile is MR rows x P columns of float32 sums kept in 2 * MR
-// registers; each k loads the panel's two vectors once and multiplies-adds them with each row's x[k] broadcast.
-// The threads split the panels: each streams its part of the weights once, in order, and runs all M rows past
-// each panel (K x P floats: 72 KiB for K = 576 under AVX-512, in L2).
+// Float32 linears on weights packed in panels, every step of a float32 layer that has them (prepack_linears, the
+// default): y (M, N) = x (M, K) @ w^T (+ bias), w packed as (ceil(N / P), K, P), P = 2 * L columns a panel (32
+// under AVX-512, 16 under AVX2), zeros past N in the last one (pagoda/layers/linear.py's pack_tiles). Each tile is
+// MR rows x P columns of float32 sums kept in 2 * MR registers; each k loads the panel's two vectors once and
+// multiplies-adds them with each row's x[k] broadcast. Each thread takes a contiguous share of the panels, streams
+// them in order, and runs a block of rows past each panel (K x P floats: 72 KiB for K = 576 under AVX-512, in L2)
+// before the next block; at one row that is one pass over its weights, as fast as a read of them.
 //
 // Why a kernel of our own: on the default model's shapes, a decode step's linears ran 1.05-1.49x faster than
 // oneDNN's on its own packed weights at 8-256 rows, and 0.98-1.03x on the decoder's shapes at 2,048
-// (`python -m pagoda.bench.f32_tiles`, BENCHMARKS.md, "Float32 linears on tiles of our own"); and, being a plain C
-// function with the GEMV's signature, it lets a float32 model's batched decode steps run in one C++ call
-// (pagoda/model/one_stream.cpp), where oneDNN's matmul cannot be called. Sums run over k in order per output, so
-// results differ from F.linear's and oneDNN's by float32 rounding only. Compiled by load_library after
-// cpp_vector.h.
+// (`python -m pagoda.bench.f32_tiles`, BENCHMARKS.md, "Float32 linears on tiles of our own"); at 1-4 rows it reads
+// the weights as fast as the GEMV (gemv.cpp) or faster; and, being a plain C function with the GEMV's signature, it
+// lets a float32 model's batched decode steps run in one C++ call (pagoda/model/one_stream.cpp), where oneDNN's
+// matmul cannot be called. Sums run over k in order per output (in U interleaved parts for tiles of 1-3 rows), so
+// results differ from F.linear's and oneDNN's by float32 rounding only. Compiled by load_library after cpp_vector.h.
+// The AVX2 build (6 x 16 tiles) was measured on the Zen 4 machine only (compiled for Haswell, against oneDNN limited
+// to AVX2): 0.99-1.42x oneDNN at 16-2,048 rows.
 
 #include <omp.h>
 

@@ -1,25 +1,29 @@
-"""Linear layers on oneDNN-packed weights for decode-sized batches (`--prepack-weights`; by default for
-float32 and bfloat16 models whose packed copy takes at most PREPACK_AUTO_MAX_BYTES).
+"""Linear layers on packed weights for batched steps (`--prepack-weights`; by default for float32 and bfloat16
+models whose packed copy takes at most PREPACK_AUTO_MAX_BYTES), and a GEMV for steps of a few rows.
 
-With M rows (the requests of a decode step), `F.linear` on a plain weight costs far more than reading
-the weight. oneDNN on the same weights reordered once into its blocked layout does better, by dtype
-(`python -m pagoda.bench.linear_stream [--dtype bfloat16]`, one step's matmuls, BENCHMARKS.md):
-  - float32: 1.30-1.56x faster at 4-32 rows, about as fast at 64-128, 0.90x at 1-2 rows;
-  - bfloat16: 1.08-1.73x at 1-1,024 rows, but 0.61x at 2,048 (a full prompt-chunk step).
+Float32: weights packed in panels for a tile kernel of our own (`f32_tiles.cpp`), which takes every step of a
+float32 layer, one stream's included. Against oneDNN's matmul on its own packed weights (what these layers ran
+before, 2026-12-06): a decode step's linears 1.05-1.49x faster at 8-256 rows, the decoder's shapes 0.98-1.03x at
+2,048 (`python -m pagoda.bench.f32_tiles`); at 1-4 rows it streams the weights as fast as a read of them, 1.03-1.7x
+the GEMV below (ad hoc). And, a plain C function, it lets a float32 model's decode steps of any batch run in one C++
+call (pagoda/model/one_stream.py). The float32 128-request workload ran 1.023-1.045x faster end to end
+(`bench.alternate`, Zen 4; BENCHMARKS.md, "Float32 linears on tiles of our own"). Where the kernel cannot be built
+(logged), float32 weights are packed for oneDNN as bfloat16 ones are.
 
-So each packed layer keeps both copies and picks by the number of rows: the packed weight for
-PACKED_ROWS[dtype], the plain one otherwise (one float32 stream, large bfloat16 prompt chunks). The cost is a
-second copy of every linear weight (the tied lm_head included). Results differ from F.linear by float
-rounding only. Not combined with --compile-model, whose graph would have to branch on the token count.
-The figures above compare with F.linear; a float32 layer's plain weight now goes to oneDNN too (ONEDNN_FLOAT32,
-below), and the packed weight is still 1.15-1.36x faster at 8-64 rows, as fast at 128 (AVX2, 2026-12-02).
+bfloat16: oneDNN on its weights reordered once into its blocked layout, against F.linear on the plain weight
+(`python -m pagoda.bench.linear_stream --dtype bfloat16`, one step's matmuls, BENCHMARKS.md): 1.08-1.73x at 1-1,024
+rows, but 0.61x at 2,048 (a full prompt-chunk step); so the packed weight serves PACKED_ROWS[dtype], the plain one
+the rest. (Float32 on oneDNN's packing, for the fallback: 1.30-1.56x F.linear at 4-32 rows, 0.90x at 1-2.)
+
+The cost is a second copy of every linear weight (the tied lm_head included): the plain weight stays, for the
+embedding, the GEMV and F.linear's paths. Results differ from F.linear by float rounding only. Not combined with
+--compile-model, whose graph would have to branch on the token count.
 
 For one stream (1-GEMV_MAX_ROWS rows) of a bfloat16 model, oneDNN packed or not reads the weights at about
 a third of the memory's speed; a GEMV of our own (`gemv.cpp`, enabled with the fused ops) streams them
-instead, and takes those steps before the packed weight. Float32 linears take it too: for one row it reads the
-weights about as fast as F.linear (MKL, 0.93-1.04x), for 3-4 rows faster than the packed weight (1.12-1.41x),
-and one stream's float32 steps can then run in one C++ call (pagoda/model/one_stream.py), which calls the
-same GEMV.
+instead, and takes those steps before the packed weight (and a float32 layer's where it has no tiles:
+--no-prepack-weights). Beyond the GEMV's rows, a float32 layer without tiles goes to oneDNN on its plain weight
+(ONEDNN_FLOAT32).
 """
 
 from __future__ import annotations
@@ -41,13 +45,9 @@ from pagoda.layers.q4_linear import is_quantized
 
 logger = logging.getLogger(__name__)
 
-# rows (tokens in the step) that use the packed weight, per weight dtype; measured, see above
-# float32 from 3 rows up: on the AVX2 machine the packed weight was as fast as the plain one at 128 rows; on the Zen
-# 4 machine (AVX-512) it was 1.16-1.17x faster at 128 rows and 1.04-1.13x at 192-512 (`bench.linear_stream --rows
-# 128,192,256,384,512`, two runs, BENCHMARKS.md): a 128-request decode step is 128 rows. Prompt steps of 2,048 rows
-# were left on the plain weight (linear_stream's 1.06x there was mostly its lm_head at 2,048 rows, which the engine
-# never runs), until the decoder's linears alone ran 1.045x faster packed at 2,048 rows (ad hoc, alternated) and
-# float32 prompts 1.035x end to end, the 128-request workload 1.045x (Zen 4, `bench.alternate`, BENCHMARKS.md).
+# rows (tokens in the step) that use oneDNN's packed weight, per weight dtype; measured, see above. Float32 (where the
+# tiles cannot be built) from 3 rows up: on the Zen 4 machine it was 1.16-1.17x the plain weight at 128 rows,
+# 1.04-1.13x at 192-512, 1.045x on the decoder's linears at 2,048 (BENCHMARKS.md).
 PACKED_ROWS: dict[torch.dtype, range] = {torch.float32: range(3, 1 << 62), torch.bfloat16: range(1, 1025)}
 # Rows a float32 layer's tiles take (f32_tiles.cpp): every step, before the GEMV, whose rows they stream as fast as
 # a read of the weights and 1.03-1.7x faster than the GEMV at 1-4 rows (ad hoc, one step's 120 linears in turn, Zen 4)

@@ -8,17 +8,18 @@ scratch buffers, so a step is one call. Its output is the eager forward's, bit f
 same arguments.
 
 Which steps: those that are decodes alone, as many as the eager path gives to the kernels the loop calls: where
-every linear runs one packed kernel (`--quantization q4_1` or `q8_0`, whose kernel takes any number of rows), any
-number; a bfloat16 or float32 model's linears take the GEMV for 1-GEMV_MAX_ROWS (4) rows and oneDNN's matmuls
-beyond, so up to 4 sequences. A 128-sequence q4_1 decode step spent ~19% of its main thread in Python, while the
-other OpenMP thread waited (BENCHMARKS.md, "Batched decode steps in one call").
+every linear runs one packed kernel (`--quantization q4_1` or `q8_0`, whose kernel takes any number of rows), or a
+float32 model's linears run on their tiles (f32_tiles.cpp, the default), any number; a bfloat16 model's linears
+(or a float32 one's without tiles) take the GEMV for 1-GEMV_MAX_ROWS (4) rows and oneDNN's matmuls beyond, so up
+to 4 sequences. A 128-sequence q4_1 decode step spent ~19% of its main thread in Python, while the other OpenMP
+thread waited (BENCHMARKS.md, "Batched decode steps in one call").
 
 Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 or float32 model
-whose linears have the GEMV (or, with `--quantization`, all run the same packed kernel, Q4_1 or Q8_0, which
-has the GEMV's signature), the fused elementwise ops, the cpp attention backend's kernel for a cache of the
-model's dtype (or, under a float32 model, of bfloat16 or float16; or, under either, int8 with a scale per token: K
-and V are rounded or quantized as the eager path's write does it; not fp8, not per-block scales), and no per-head
-q/k norm (Qwen3). Otherwise the model keeps its eager forward (logged).
+whose linears have the GEMV (or all run the same packed kernel, with `--quantization` Q4_1 or Q8_0, or the
+float32 tiles, each with the GEMV's signature), the fused elementwise ops, the cpp attention backend's kernel for a
+cache of the model's dtype (or, under a float32 model, of bfloat16 or float16; or, under either, int8 with a scale
+per token: K and V are rounded or quantized as the eager path's write does it; not fp8, not per-block scales), and no
+per-head q/k norm (Qwen3). Otherwise the model keeps its eager forward (logged).
 `--compile-model` has its own one-stream graph instead.
 """
 
@@ -66,8 +67,8 @@ class OneStreamForward:
     """forward(input_ids, positions, meta) -> (final hidden (B, hidden), logits (B, vocab)) for a step this forward
     takes (`applies`), else None. The lm_head runs in the same call (its Python call, after the weights have
     streamed through the caches, cost ~0.25 ms a one-stream step; BENCHMARKS.md, "The lm_head in the one-call
-    forward"), where it takes the GEMV or a packed Q8_0 or Q4_1 kernel; otherwise logits is None and the caller
-    runs the lm_head."""
+    forward"), where it takes the GEMV, the float32 tiles or a packed Q8_0 or Q4_1 kernel; otherwise logits is None
+    and the caller runs the lm_head."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKVCache], lib: Any) -> None:
         cfg = model.config
@@ -224,8 +225,8 @@ def _seconds_buffer(op_seconds: torch.Tensor) -> int:
 def _lm_head(model: LlamaForCausalLM) -> tuple[Any, int, torch.dtype, int] | None:
     """The lm_head's kernel, weight address, output dtype (what its own forward returns) and the most rows the kernel
     takes, where its forward on the final norm's rows (of the model's dtype) is a call the loop can make: the GEMV
-    (installed by enable_gemv; 1-GEMV_MAX_ROWS rows) or a packed Q8_0/Q4_1 kernel (any number), without a bias; else
-    None."""
+    (installed by enable_gemv; 1-GEMV_MAX_ROWS rows), a packed Q8_0/Q4_1 kernel (any number; without a bias) or a
+    float32 model's tiles (any number); else None."""
     lm, dtype = model.lm_head, model.model.embed_tokens.weight.dtype
     if lm.bias is not None:
         return None

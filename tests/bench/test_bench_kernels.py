@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -349,15 +348,11 @@ def test_q4_linear_bench_times_both_sides_at_every_shape(capsys: pytest.CaptureF
 
 def test_f32_tiles_bench_checks_and_times_both_sides(capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Per shape (and with --step, one decode step's linears in turn), the tile kernel and oneDNN's packed weights
-    both timed, and the kernel's output within float32 rounding of oneDNN's: rows that leave a tail of every size
-    below the tile's 12."""
+    """Per shape (and with --step, one decode step's linears in turn), the engine's tile kernel and oneDNN's packed
+    weights both timed, and the kernel's output within float32 rounding of oneDNN's: rows that leave a tail of every
+    size below the tile's 12."""
     from pagoda.bench import f32_tiles
-    from pagoda.layers.cpp_build import load_library
 
-    lib = load_library(Path(f32_tiles.__file__).with_name("f32_tiles.cpp"), {})
-    if not lib.pagoda_f32_tiles_built():
-        pytest.skip("the tile kernel needs AVX-512")
     rows = run_module(f32_tiles.main, ["--rows", "1,11,13", "--iters", "1"], capsys, monkeypatch)
     assert [(r["rows"], r["in"], r["out"]) for r in rows] == [
         (m, k, n) for m in (1, 11, 13) for k, n in [*f32_tiles.SHAPES, f32_tiles.LM_HEAD]]

@@ -64,10 +64,11 @@ def test_compute_floor_counts_the_linear_flops(model_dir: Path, capsys: pytest.C
     assert result["kv_cache_storage"] == ("float32" if quantization == "none" else "float16")  # auto resolved
     assert result["compute_floor_fraction"] == pytest.approx(result["achieved_gflops"] / result["matmul_peak_gflops"])
     # the peak is the best of F.linear and (the tiny model is float32) oneDNN's matmul on the plain and on the
-    # packed weight, all measured, and of the measurements before and after the run
+    # packed weight and the engine's tile kernel, all measured, and of the measurements before and after the run
     assert result["matmul_peak_gflops"] == max(result["matmul_peak_gflops_f_linear"],
                                                result["matmul_peak_gflops_onednn"],
-                                               result["matmul_peak_gflops_onednn_packed"])
+                                               result["matmul_peak_gflops_onednn_packed"],
+                                               result["matmul_peak_gflops_tiles"])
     assert result["matmul_peak_gflops"] == max(result["matmul_peak_gflops_before_run"],
                                                result["matmul_peak_gflops_after_run"])
 
