@@ -108,8 +108,8 @@ def main() -> None:
 
 VERSUS = {
     "weights-read": "reading a buffer as large as the linear weights, the bandwidth floor of a decode step",
-    "packed-weights": "the same steps on oneDNN-packed linear weights (--prepack-weights) against plain ones; "
-                      "leave that flag out",
+    "packed-weights": "the same steps on packed linear weights (--prepack-weights: float32's tiles, bfloat16's "
+                      "oneDNN packing) against plain ones; leave that flag out",
     "opaque-attention": "with --compile-model, the same steps without the one-stream graph (attention as the "
                         "opaque op)",
     "eager-one-stream": "decode steps in one C++ call (pagoda/model/one_stream.py: one stream's; up to 4 "
@@ -163,15 +163,16 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
         if args.prepack_weights is not None:
             raise SystemExit("--versus packed-weights packs the weights itself: leave out --[no-]prepack-weights")
         prepack_linears(engine.model)
-        packed = {m: m._pagoda_packed for m in linears if is_packed(m)}
+        # oneDNN's packed weight (bfloat16) or the tiles (float32), whichever prepack_linears gave the layer
+        packed = {m: (m._pagoda_packed, m._pagoda_tiles) for m in linears if is_packed(m)}
 
         def pack() -> None:
-            for m, weight in packed.items():
-                m._pagoda_packed = weight
+            for m, (weight, tiles) in packed.items():
+                m._pagoda_packed, m._pagoda_tiles = weight, tiles
 
         def unpack() -> None:
             for m in packed:
-                m._pagoda_packed = None  # type: ignore[assignment]
+                m._pagoda_packed = m._pagoda_tiles = None  # type: ignore[assignment]
 
         return {"step": after(unpack), "packed-weights": after(pack)}
     if args.versus == "opaque-attention":
