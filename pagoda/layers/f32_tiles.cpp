@@ -7,11 +7,11 @@
 // before the next block; at one row that is one pass over its weights, as fast as a read of them.
 //
 // Why a kernel of our own: on the default model's shapes, a decode step's linears ran 1.05-1.49x faster than
-// oneDNN's on its own packed weights at 8-256 rows, and 0.98-1.03x on the decoder's shapes at 2,048
-// (`python -m pagoda.bench.f32_tiles`, BENCHMARKS.md, "Float32 linears on tiles of our own"); at 1-4 rows it reads
-// the weights as fast as the GEMV (gemv.cpp) or faster; and, being a plain C function with the GEMV's signature, it
-// lets a float32 model's batched decode steps run in one C++ call (pagoda/model/one_stream.cpp), where oneDNN's
-// matmul cannot be called. Sums run over k in order per output (in U interleaved parts for tiles of 1-3 rows), so
+// oneDNN's on its own packed weights at 8-256 rows, and, with each tile's output prefetched (below), 1.00-1.10x on
+// the decoder's shapes at 2,048 (`python -m pagoda.bench.f32_tiles`, BENCHMARKS.md, "Float32 linears on tiles of our
+// own"); at 1-4 rows it reads the weights as fast as the GEMV (gemv.cpp) or faster; and, being a plain C function
+// with the GEMV's signature, it lets a float32 model's batched decode steps run in one C++ call
+// (pagoda/model/one_stream.cpp), where oneDNN's matmul cannot be called. Sums run over k in order per output, so
 // results differ from F.linear's and oneDNN's by float32 rounding only. Compiled by load_library after cpp_vector.h.
 // The AVX2 build (6 x 16 tiles) was measured on the Zen 4 machine only (compiled for Haswell, against oneDNN limited
 // to AVX2): 0.99-1.42x oneDNN at 16-2,048 rows.
@@ -27,11 +27,9 @@ constexpr int MR = 6;
 #endif
 constexpr int64_t P = 2 * L;
 
+// 1: each tile prefetches its output lines for writing (tile, below); 0 for the benchmark's comparison.
 #ifndef PAGODA_PREFETCH_Y
 #define PAGODA_PREFETCH_Y 1
-#endif
-#ifndef PAGODA_SPLIT_K
-#define PAGODA_SPLIT_K 1
 #endif
 
 static inline vf load_vf(const float* p) {
@@ -62,13 +60,8 @@ static inline vf splat(float v) {
 template <int R>
 static inline void tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
                         int64_t cols) {
-  // U sets of sums over interleaved k, added at the end: a tile of few rows has too few chains of multiply-adds
-  // (2 at one row) to keep up with the weights' stream
-  constexpr int U = PAGODA_SPLIT_K && R < 4 ? 4 / R : 1;
-  vf acc[U][R][2];
-  for (int u = 0; u < U; ++u) {
-    for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = vf{};
-  }
+  vf acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vf{};
 #if PAGODA_PREFETCH_Y
   // The tile's output lines asked for (for writing) before its k loop, so that their fills overlap the loop instead
   // of stalling its stores at the end (an output past the caches, a prompt step's, had each tile's 24 stores miss):
@@ -78,30 +71,12 @@ static inline void tile(const float* x, int64_t K, const float* panel, const flo
     __builtin_prefetch(y + r * N + L, 1, 3);
   }
 #endif
-  int64_t k = 0;
-  for (; k + U <= K; k += U) {
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      const vf b0 = load_vf(panel + (k + u) * P), b1 = load_vf(panel + (k + u) * P + L);
-      for (int r = 0; r < R; ++r) {
-        const vf a = splat(x[r * K + k + u]);
-        acc[u][r][0] = madd(a, b0, acc[u][r][0]);
-        acc[u][r][1] = madd(a, b1, acc[u][r][1]);
-      }
-    }
-  }
-  for (; k < K; ++k) {
+  for (int64_t k = 0; k < K; ++k) {
     const vf b0 = load_vf(panel + k * P), b1 = load_vf(panel + k * P + L);
     for (int r = 0; r < R; ++r) {
       const vf a = splat(x[r * K + k]);
-      acc[0][r][0] = madd(a, b0, acc[0][r][0]);
-      acc[0][r][1] = madd(a, b1, acc[0][r][1]);
-    }
-  }
-  for (int u = 1; u < U; ++u) {
-    for (int r = 0; r < R; ++r) {
-      acc[0][r][0] += acc[u][r][0];
-      acc[0][r][1] += acc[u][r][1];
+      acc[r][0] = madd(a, b0, acc[r][0]);
+      acc[r][1] = madd(a, b1, acc[r][1]);
     }
   }
   vf bias0{}, bias1{};
@@ -111,13 +86,13 @@ static inline void tile(const float* x, int64_t K, const float* panel, const flo
   }
   for (int r = 0; r < R; ++r) {
     if (cols == P) {
-      store_vf(y + r * N, acc[0][r][0] + bias0);
-      store_vf(y + r * N + L, acc[0][r][1] + bias1);
+      store_vf(y + r * N, acc[r][0] + bias0);
+      store_vf(y + r * N + L, acc[r][1] + bias1);
       continue;
     }
     float sums[P];
-    store_vf(sums, acc[0][r][0]);
-    store_vf(sums + L, acc[0][r][1]);
+    store_vf(sums, acc[r][0]);
+    store_vf(sums + L, acc[r][1]);
     for (int64_t c = 0; c < cols; ++c) y[r * N + c] = sums[c] + (bias != nullptr ? bias[c] : 0.0f);
   }
 }
