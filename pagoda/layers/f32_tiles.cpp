@@ -6,15 +6,15 @@
 // them in order, and runs a block of rows past each panel (K x P floats: 72 KiB for K = 576 under AVX-512, in L2)
 // before the next block; at one row that is one pass over its weights, as fast as a read of them.
 //
-// Why a kernel of our own: on the default model's shapes, a decode step's linears ran 1.05-1.49x faster than
-// oneDNN's on its own packed weights at 8-256 rows, and, with each tile's output prefetched (below), 1.00-1.10x on
+// Why a kernel of our own: on the default model's shapes, a decode step's linears ran 1.03-1.49x faster than
+// oneDNN's on its own packed weights at 8-256 rows, and, with each tile's output prefetched (below), 1.00-1.06x on
 // the decoder's shapes at 2,048 (`python -m pagoda.bench.f32_tiles`, BENCHMARKS.md, "Float32 linears on tiles of our
 // own"); at 1-4 rows it reads the weights as fast as the GEMV (gemv.cpp) or faster; and, being a plain C function
 // with the GEMV's signature, it lets a float32 model's batched decode steps run in one C++ call
 // (pagoda/model/one_stream.cpp), where oneDNN's matmul cannot be called. Sums run over k in order per output, so
 // results differ from F.linear's and oneDNN's by float32 rounding only. Compiled by load_library after cpp_vector.h.
 // The AVX2 build (6 x 16 tiles) was measured on the Zen 4 machine only (compiled for Haswell, against oneDNN limited
-// to AVX2): 0.99-1.42x oneDNN at 16-2,048 rows.
+// to AVX2): 0.99-1.43x oneDNN at 16-2,048 rows.
 
 #include <omp.h>
 
@@ -65,7 +65,7 @@ static inline void tile(const float* x, int64_t K, const float* panel, const flo
 #if PAGODA_PREFETCH_Y
   // The tile's output lines asked for (for writing) before its k loop, so that their fills overlap the loop instead
   // of stalling its stores at the end (an output past the caches, a prompt step's, had each tile's 24 stores miss):
-  // 1.01-1.06x at 128-2,048 rows on the decoder's shapes, now 1.00-1.10x oneDNN's at 2,048 (ad hoc, alternated).
+  // 1.01-1.06x at 128-2,048 rows on the decoder's shapes, now 1.00-1.06x oneDNN's at 2,048 (ad hoc, alternated).
   for (int r = 0; r < R; ++r) {
     __builtin_prefetch(y + r * N, 1, 3);
     __builtin_prefetch(y + r * N + L, 1, 3);
@@ -114,8 +114,8 @@ extern "C" int64_t pagoda_f32_tiles_panel() { return P; }
 // past one block before the next, so that the block stays in its L2 while the panels stream; without blocks every
 // panel read all of x from L3. At 2,048 rows on the Zen 4 machine (ad hoc, alternated, GFLOP/s): the down projection
 // (K 1,536) 217.8 with blocks of 256 KiB against 206.9 without, the others 205-213 either way; blocks of 64 KiB cost
-// 2-10% at 128 rows (the panels re-read more often), 512 KiB gained nothing. PAGODA_ROW_BLOCK_BYTES overrides it (the
-// benchmark's switch).
+// 2-10% at 128 rows (the panels re-read more often), 512 KiB gained nothing. PAGODA_ROW_BLOCK_BYTES overrides it (ad hoc
+// A/Bs build the kernel with another value through load_library's defines, as PAGODA_PREFETCH_Y).
 #ifndef PAGODA_ROW_BLOCK_BYTES
 #define PAGODA_ROW_BLOCK_BYTES (256 << 10)
 #endif

@@ -3,7 +3,7 @@ models whose packed copy takes at most PREPACK_AUTO_MAX_BYTES), and a GEMV for s
 
 Float32: weights packed in panels for a tile kernel of our own (`f32_tiles.cpp`), which takes every step of a
 float32 layer, one stream's included. Against oneDNN's matmul on its own packed weights (what these layers ran
-before, 2026-12-06): a decode step's linears 1.05-1.49x faster at 8-256 rows, the decoder's shapes 1.00-1.10x at
+before, 2026-12-06): a decode step's linears 1.03-1.49x faster at 8-256 rows, the decoder's shapes 1.00-1.06x at
 2,048 (`python -m pagoda.bench.f32_tiles`); at 1-4 rows it streams the weights as fast as a read of them, 1.03-1.7x
 the GEMV below (ad hoc). And, a plain C function, it lets a float32 model's decode steps of any batch run in one C++
 call (pagoda/model/one_stream.py). The float32 128-request workload ran 1.023-1.045x faster end to end
@@ -106,14 +106,8 @@ def _install(layer: nn.Linear) -> None:
 
 
 def is_packed(layer: nn.Module) -> bool:
-    return packed_kernel(layer) is not None
-
-
-def packed_kernel(layer: nn.Module) -> str | None:
-    """Which kernel a layer's packed copy (prepack_linears) is for: "tiles" (f32_tiles.cpp), "onednn", or None."""
-    if getattr(layer, "_pagoda_tiles", None) is not None:
-        return "tiles"
-    return "onednn" if getattr(layer, "_pagoda_packed", None) is not None else None
+    """Whether prepack_linears gave the layer a packed copy: tiles (float32) or oneDNN's."""
+    return tiles_of(layer) is not None or getattr(layer, "_pagoda_packed", None) is not None
 
 
 def tiles_of(layer: nn.Module) -> torch.Tensor | None:

@@ -70,7 +70,7 @@ def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         x = torch.randn(rows, 64).bfloat16()
         torch.testing.assert_close(bf16(x).float(), F.linear(x, bf16.weight, bf16.bias).float(), rtol=2**-7, atol=1e-2)
     assert calls == [1, top] and packed_calls == ([top + 1] if bf16_packable else [])
-    assert linear.packed_kernel(f32) == "tiles"
+    assert linear.tiles_of(f32) is not None
     f32_calls: list[int] = []
     tile_calls: list[int] = []
     f32_gemv, f32_tiles = f32._pagoda_gemv, f32._pagoda_tiles_call
@@ -124,7 +124,7 @@ def test_float32_packs_for_onednn_without_tiles() -> None:
     whose results are F.linear's up to float32 rounding."""
     layer = nn.Linear(40, 70)
     linear.prepack_linears(nn.Sequential(layer), tiles=False)
-    assert linear.packed_kernel(layer) == "onednn"
+    assert linear.tiles_of(layer) is None and linear.is_packed(layer)
     x = torch.randn(9, 40)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 

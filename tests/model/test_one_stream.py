@@ -5,6 +5,7 @@ out where its kernels are."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,6 +45,20 @@ def _count_rows(model: object, rows: list[int]) -> None:
         return out
 
     model.one_stream_forward = type("Counted", (), {"__call__": staticmethod(counted)})()  # type: ignore[attr-defined]
+
+
+def _many_decodes(llm: LLM, n: int, seed: int) -> Callable[[], list[tuple[list[int], list[dict[int, float]]]]]:
+    """generate() for n requests of 8-token prompts (all in the first step, so every decode step has n rows), seeded
+    sampling of 8 tokens each: their token ids and logprobs."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(8)] for _ in range(n)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=8, ignore_eos=True, logprobs=1) for i in range(n)]
+
+    def generate() -> list[tuple[list[int], list[dict[int, float]]]]:
+        return [(list(r.outputs[0].token_ids), list(r.outputs[0].logprobs or []))
+                for r in llm.generate(prompts, params, use_tqdm=False)]
+
+    return generate
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float32+q4_1", "float32+q4_1/bfloat16",
@@ -253,15 +268,7 @@ def test_quantized_decode_steps_of_many_rows(tiny_model: tuple[str, Path], quant
     least = amx_min_rows(q4_library())
     assert forward is not None and forward.mlp_min_rows == least and packed_of(model.lm_head) is None
     assert forward.fused_norms  # pagoda_norm_linear (and _mlp with the MLP's call)
-    n = max(least, 5) + 4  # every decode step has n rows: the prompts (8 tokens each) all go in the first step
-    rng = random.Random(3)
-    prompts = [[rng.randrange(256) for _ in range(8)] for _ in range(n)]
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=8, ignore_eos=True, logprobs=1) for i in range(n)]
-
-    def generate() -> list[tuple[list[int], list[dict[int, float]]]]:
-        return [(list(r.outputs[0].token_ids), list(r.outputs[0].logprobs or []))
-                for r in llm.generate(prompts, params, use_tqdm=False)]
-
+    generate = _many_decodes(llm, max(least, 5) + 4, seed=3)
     prof = llm.engine.enable_profiling()
     with_it = generate()
     report = prof.report()
@@ -275,10 +282,10 @@ def test_quantized_decode_steps_of_many_rows(tiny_model: tuple[str, Path], quant
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
 def test_float32_decode_steps_on_tiles(tiny_model: tuple[str, Path], kv_cache_dtype: str) -> None:
-    """A float32 model with packed weights (the default) runs its linears on f32_tiles.cpp's kernel beyond the GEMV's
-    rows, and so its decode steps of any number of sequences go through the one call, lm_head included (the tiny
+    """A float32 model with packed weights (the default) runs its linears on f32_tiles.cpp's kernel at every row
+    count, and so its decode steps of any number of sequences go through the one call, lm_head included (the tiny
     vocabulary of 300 ends in a part panel), with the eager forward's tokens and logprobs, exactly."""
-    from pagoda.layers.linear import packed_kernel
+    from pagoda.layers.linear import tiles_of
 
     arch, folder = tiny_model
     if arch == "qwen3":
@@ -287,16 +294,9 @@ def test_float32_decode_steps_on_tiles(tiny_model: tuple[str, Path], kv_cache_dt
               kv_cache_dtype=kv_cache_dtype)
     model = llm.engine.model
     forward = model.one_stream_forward
-    assert packed_kernel(model.lm_head) == "tiles" and forward is not None and forward.max_rows > 64
-    n = 9  # every decode step has 9 rows: the prompts (8 tokens each) all go in the first step
-    rng = random.Random(5)
-    prompts = [[rng.randrange(256) for _ in range(8)] for _ in range(n)]
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=8, ignore_eos=True, logprobs=1) for i in range(n)]
-
-    def generate() -> list[tuple[list[int], list[dict[int, float]]]]:
-        return [(list(r.outputs[0].token_ids), list(r.outputs[0].logprobs or []))
-                for r in llm.generate(prompts, params, use_tqdm=False)]
-
+    assert tiles_of(model.lm_head) is not None and forward is not None and forward.max_rows > 64
+    n = 9
+    generate = _many_decodes(llm, n, seed=5)
     rows: list[int] = []
     prof = llm.engine.enable_profiling()
     _count_rows(model, rows)
