@@ -162,7 +162,7 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
     if args.versus == "packed-weights":
         if args.prepack_weights is not None:
             raise SystemExit("--versus packed-weights packs the weights itself: leave out --[no-]prepack-weights")
-        prepack_linears(engine.model)
+        prepack_linears(engine.model, keep_plain=True)  # the unpacked side runs on the plain weights
         # oneDNN's packed weight (bfloat16) or the tiles (float32), whichever prepack_linears gave the layer
         packed = {m: (m._pagoda_packed, m._pagoda_tiles) for m in linears if is_packed(m)}
 

@@ -140,7 +140,8 @@ def compute_floor(model: Any, prompt_tokens: int, output_tokens: int, elapsed: f
     import torch
 
     linear = sum(m.in_features * m.out_features for m in model.model.modules() if isinstance(m, torch.nn.Linear))
-    flops = 2.0 * linear * (prompt_tokens + output_tokens) + 2.0 * model.lm_head.weight.numel() * output_tokens
+    logits = model.lm_head.in_features * model.lm_head.out_features
+    flops = 2.0 * linear * (prompt_tokens + output_tokens) + 2.0 * logits * output_tokens
     rates = {name: max(p[name] for p in peaks) for name in peaks[0]}
     rate = max(rates.values())
     achieved = flops / elapsed

@@ -60,15 +60,17 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     (the hardware prefetchers stop at each page's end; BENCHMARKS.md, "Float32 linears on tiles of our own")."""
     params = [p for p in model.parameters() if p.numel()]  # tied weights once
     packed = [q for q in map(packed_of, model.modules()) if q is not None]
-    tiled = [(m, t) for m in model.modules() if (t := tiles_of(m)) is not None]
-    copies = move_to_huge_pages([p.data for p in params] + [q.w for q in packed] + [t for _, t in tiled])
+    tiled = [m for m in model.modules() if tiles_of(m) is not None]
+    old = [p.data for p in params] + [q.w for q in packed] + [t for t in map(tiles_of, tiled) if t is not None]
+    copies = move_to_huge_pages(old)
+    del old  # else the old tiles outlive release_free_heap below and stay resident (keep_freed_memory)
     for p, copy in zip(params, copies[:len(params)], strict=True):
         p.data = copy
     for q, copy in zip(packed, copies[len(params):len(params) + len(packed)], strict=True):
         q.w = copy
-    for (m, _), copy in zip(tiled, copies[len(params) + len(packed):], strict=True):
+    for m, copy in zip(tiled, copies[len(params) + len(packed):], strict=True):
         m._pagoda_tiles = copy
-    release_free_heap()
+    release_free_heap()  # the old copies are free by now
     return sum(c.numel() * c.element_size() for c in copies)
 
 
@@ -101,8 +103,8 @@ class LLMEngine:
             added, rows = prepack_linears(self.model)
             if rows is not None:
                 upto = f"-{rows.stop - 1}" if rows.stop < 1 << 31 else " or more"
-                logger.info("prepacked linear weights for steps of %d%s tokens: %.1f MiB more", rows.start, upto,
-                            added / 2**20)
+                logger.info("prepacked linear weights for steps of %d%s tokens: %.1f MiB more (float32's plain "
+                            "weights freed where not shared)", rows.start, upto, added / 2**20)
             else:
                 logger.warning("prepack_weights: nothing packed (it applies to float32 weights, and to bfloat16 "
                                "ones where oneDNN supports bfloat16 on this CPU); dtype is %s", mc.torch_dtype)

@@ -15,9 +15,11 @@ bfloat16: oneDNN on its weights reordered once into its blocked layout, against 
 rows, but 0.61x at 2,048 (a full prompt-chunk step); so the packed weight serves PACKED_ROWS[dtype], the plain one
 the rest. (Float32 on oneDNN's packing, for the fallback: 1.30-1.56x F.linear at 4-32 rows, 0.90x at 1-2.)
 
-The cost is a second copy of every linear weight (the tied lm_head included): the plain weight stays, for the
-embedding, the GEMV and F.linear's paths. Results differ from F.linear by float rounding only. Not combined with
---compile-model, whose graph would have to branch on the token count.
+Memory: a float32 layer's tiles replace its plain weight, which is freed (an empty tensor stays, for code that
+looks at dtypes, as with --quantization), unless another module shares it: the tied lm_head keeps the rows the
+embedding reads, so there the tiles are a second copy. A bfloat16 layer keeps its plain weight next to oneDNN's
+packed one, for the GEMV and for steps beyond PACKED_ROWS: twice the weight memory. Results differ from F.linear by
+float rounding only. Not combined with --compile-model, whose graph would have to branch on the token count.
 
 For one stream (1-GEMV_MAX_ROWS rows) of a bfloat16 model, oneDNN packed or not reads the weights at about
 a third of the memory's speed; a GEMV of our own (`gemv.cpp`, enabled with the fused ops) streams them
@@ -28,13 +30,14 @@ instead, and takes those steps before the packed weight (and a float32 layer's w
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -79,11 +82,11 @@ def _forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0] if x.dim() == 2 else 0
         tiles = layer._pagoda_tiles
-        if tiles is not None and rows and x.dtype == torch.float32:
+        if tiles is not None:  # every input: the plain weight may be gone (prepack_linears)
             tiles_call: Any = layer._pagoda_tiles_call
             return tiles_call(x, tiles, layer.bias)
+        rows = x.shape[0] if x.dim() == 2 else 0
         gemv: Any = layer._pagoda_gemv
         if gemv is not None and 1 <= rows <= GEMV_MAX_ROWS and x.dtype == layer.weight.dtype and x.is_contiguous():
             return gemv(x, layer.weight, layer.bias)
@@ -165,11 +168,12 @@ def enable_gemv(model: nn.Module, portable: bool = False) -> float:
     return seconds
 
 
-# `prepack_weights` left to the engine (None) packs float32 and bfloat16 models whose copy takes at most this much,
-# while larger models' copies cost more memory for a share of the step that was not measured (BENCHMARKS.md). With
-# the default model: bfloat16's 128-request workload ran 1.23x and 1.31x faster end to end (+270 MB, Xeon); float32
-# decode steps of 16 and 64 requests 1.13x and 1.11x faster than oneDNN on the plain weights (+540 MB; AVX2,
-# `bench.decode_step --versus packed-weights`), the packed weights 1.15-1.36x at 8-64 rows (`bench.linear_stream`).
+# `prepack_weights` left to the engine (None) packs float32 and bfloat16 models whose packing adds at most this much
+# memory (float32 on the tiles adds only a tied lm_head's copy: the other plain weights are freed), while larger
+# copies cost more memory for a share of the step that was not measured (BENCHMARKS.md). With the default model:
+# bfloat16's 128-request workload ran 1.23x and 1.31x faster end to end (+270 MB, Xeon); float32 decode steps of 16
+# and 64 requests 1.13x and 1.11x faster than oneDNN on the plain weights (+540 MB; AVX2, `bench.decode_step
+# --versus packed-weights`), the packed weights 1.15-1.36x at 8-64 rows (`bench.linear_stream`).
 PREPACK_AUTO_MAX_BYTES = 1 << 30
 
 
@@ -185,15 +189,19 @@ def packable_rows(dtype: torch.dtype) -> range | None:
 
 def should_prepack(model: nn.Module, dtype: torch.dtype, asked: bool | None, compile_model: bool) -> bool:
     """Whether the engine packs the model's linears: as asked, or by default (asked is None) for float32 and
-    bfloat16 models whose copy fits PREPACK_AUTO_MAX_BYTES, except with compile_model (whose graph cannot branch
-    on the token count) and where no layer would be packed (all quantized: q4_1)."""
+    bfloat16 models whose packing adds at most PREPACK_AUTO_MAX_BYTES of memory, except with compile_model (whose
+    graph cannot branch on the token count) and where no layer would be packed (all quantized: q4_1). On the tiles,
+    float32 packing adds only the shared weights' copies (prepack_linears frees the others): the tied lm_head's."""
     if asked is not None:
         return asked
     if compile_model or packable_rows(dtype) is None:  # None also for dtypes without PACKED_ROWS (float64)
         return False
-    copy = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-               if isinstance(m, nn.Linear) and not is_quantized(m) and m.weight.dtype in PACKED_ROWS)
-    return 0 < copy <= PREPACK_AUTO_MAX_BYTES
+    layers = [m for m in model.modules() if _packable(m)]
+    tiles = any(map(_tiles_fit, layers)) and _tiles_library_or_none() is not None
+    shared = _shared_weights(model)
+    copy = sum(m.weight.numel() * m.weight.element_size() for m in layers
+               if not (tiles and _tiles_fit(m)) or id(m.weight) in shared)
+    return bool(layers) and copy <= PREPACK_AUTO_MAX_BYTES
 
 
 _TILES_SOURCE = Path(__file__).with_name("f32_tiles.cpp")
@@ -221,44 +229,76 @@ def pack_tiles(w: torch.Tensor, panel: int) -> torch.Tensor:
 
 def _tiles_call(lib: Any, out_features: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
                                                           torch.Tensor]:
-    """The packed forward of a float32 layer on tiles: x (M, K) -> (M, out_features)."""
+    """The packed forward of a float32 layer on tiles: x (..., K) float32 -> (..., out_features), as F.linear."""
     fn = lib.pagoda_f32_tiles_linear
 
     def call(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x = x.contiguous()
+        k = packed.shape[1]
+        if x.dtype != torch.float32 or x.shape[-1] != k:
+            raise ValueError(f"a float32 linear of {k} inputs takes float32 x of shape (..., {k}); got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x = x.reshape(-1, k).contiguous()
         y = torch.empty((x.shape[0], out_features), dtype=torch.float32)
-        fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0],
-           out_features, x.shape[1])
-        return y
+        if len(x):
+            fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), len(x),
+               out_features, k)
+        return y.view(*lead, out_features)
 
     return call
 
 
-def prepack_linears(model: nn.Module, tiles: bool = True) -> tuple[int, range | None]:
-    """Gives every float32 or bfloat16 nn.Linear of the model a packed copy of its weight; returns the bytes the
-    copies take and the rows they serve ((0, None) if no layer has a dtype that can be packed here,
-    packable_rows). Float32 weights are packed in panels for f32_tiles.cpp's kernel, which then takes every step
-    (TILE_ROWS); where it cannot be built (logged), or with tiles=False, they are packed for oneDNN as bfloat16 ones
-    are, for PACKED_ROWS[dtype]."""
+def _packable(module: nn.Module) -> TypeGuard[nn.Linear]:
+    """A float32 or bfloat16 linear that neither --quantization nor an earlier prepack_linears took."""
+    return (isinstance(module, nn.Linear) and not is_quantized(module) and not is_packed(module)
+            and packable_rows(module.weight.dtype) is not None)
+
+
+def _tiles_fit(layer: nn.Linear) -> bool:
+    """Whether the tile kernel can take the layer: float32 weight, and bias if any."""
+    bias = layer.bias
+    return layer.weight.dtype == torch.float32 and (bias is None or (bias.dtype == torch.float32
+                                                                     and bias.is_contiguous()))
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """ids of the parameters more than one module holds (a tied lm_head's weight is the embedding's)."""
+    counts = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return {key for key, count in counts.items() if count > 1}
+
+
+def _tiles_library_or_none() -> Any:
+    try:
+        return tiles_library()
+    except Exception as e:  # no C++ compiler, ...
+        logger.warning("could not compile the float32 tile kernel (%s); float32 linears pack for oneDNN", e)
+        return None
+
+
+def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = False) -> tuple[int, range | None]:
+    """Gives every float32 or bfloat16 nn.Linear of the model a packed copy of its weight; returns the bytes this
+    adds to the model's memory (the packed copies less the plain weights freed) and the rows the packed weights
+    serve ((0, None) if no layer has a dtype that can be packed here, packable_rows). Float32 weights are packed in
+    panels for f32_tiles.cpp's kernel, which then takes every step (TILE_ROWS), and their plain weights are freed
+    (an empty tensor of their dtype stays) unless another module shares them (the tied lm_head's, the embedding's)
+    or keep_plain (for benchmarks that time both sides). Where the kernel cannot be built (logged), or with
+    tiles=False, they are packed for oneDNN as bfloat16 ones are, for PACKED_ROWS[dtype], next to the plain weight."""
     added, used = 0, None
-    lib = None
-    if tiles and any(isinstance(m, nn.Linear) and not is_quantized(m) and m.weight.dtype == torch.float32
-                     for m in model.modules()):
-        try:
-            lib = tiles_library()
-        except Exception as e:  # no C++ compiler, ...
-            logger.warning("could not compile the float32 tile kernel (%s); float32 linears pack for oneDNN", e)
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and not is_quantized(module) and (rows := packable_rows(module.weight.dtype)):
-            _install(module)
-            w, bias = module.weight.detach(), module.bias
-            if (lib is not None and w.dtype == torch.float32
-                    and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
-                packed = module._pagoda_tiles = pack_tiles(w, lib.pagoda_f32_tiles_panel())  # type: ignore[assignment]
-                module._pagoda_tiles_call = _tiles_call(lib, module.out_features)  # type: ignore[assignment]
-                rows = TILE_ROWS
-            else:
-                packed = module._pagoda_packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)  # type: ignore[assignment]
-            added += packed.numel() * packed.element_size()
-            used = rows
+    layers = [m for m in model.modules() if _packable(m)]
+    lib = _tiles_library_or_none() if tiles and any(map(_tiles_fit, layers)) else None
+    shared = _shared_weights(model)
+    for module in layers:
+        _install(module)
+        w = module.weight.detach()
+        if lib is not None and _tiles_fit(module):
+            packed = module._pagoda_tiles = pack_tiles(w, lib.pagoda_f32_tiles_panel())  # type: ignore[assignment]
+            module._pagoda_tiles_call = _tiles_call(lib, module.out_features)  # type: ignore[assignment]
+            used = TILE_ROWS
+            if not keep_plain and id(module.weight) not in shared:
+                added -= w.numel() * w.element_size()
+                module.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+        else:
+            packed = module._pagoda_packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)  # type: ignore[assignment]
+            used = packable_rows(w.dtype)
+        added += packed.numel() * packed.element_size()
     return added, used

@@ -356,6 +356,9 @@ def is_quantized(layer: nn.Module) -> bool:
 
 
 def weight_bytes(layer: nn.Linear) -> int:
-    """The bytes a step reads for the layer's weights: packed Q4_1 or Q8_0 (with scales) or the weight tensor."""
+    """The bytes a step reads for the layer's weights: packed Q4_1 or Q8_0 (with scales), or in_features x
+    out_features of the weight's dtype (whose plain tensor prepack_linears may have freed)."""
     packed = packed_of(layer)
-    return packed.nbytes() if packed is not None else layer.weight.numel() * layer.weight.element_size()
+    if packed is not None:
+        return packed.nbytes()
+    return layer.in_features * layer.out_features * layer.weight.element_size()

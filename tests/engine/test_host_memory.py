@@ -142,11 +142,18 @@ def test_move_to_huge_pages_copies_each_tensor(monkeypatch: pytest.MonkeyPatch, 
 
 
 @thp
-@pytest.mark.parametrize("scheme", ["none", "q8_0"])
-def test_engine_weights_move_to_huge_pages(scheme: str) -> None:
+@pytest.mark.parametrize("scheme", ["none", "q8_0", "tiles"])
+def test_engine_weights_move_to_huge_pages(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parameters, packed quantized weights and float32 tiles move into the huge-page region, and by the time it
+    hands the free heap back to the kernel nothing holds their old copies (else keep_freed_memory's settings keep
+    them resident: the float32 tiles' old copies once stayed, +400 MB of RSS for the default model)."""
+    import weakref
+
     from torch import nn
 
+    from pagoda.engine import llm_engine
     from pagoda.engine.llm_engine import move_weights_to_huge_pages
+    from pagoda.layers.linear import prepack_linears, tiles_of
     from pagoda.layers.q4_linear import packed_of, quantize_linears
 
     torch.manual_seed(0)
@@ -156,12 +163,21 @@ def test_engine_weights_move_to_huge_pages(scheme: str) -> None:
     model.lm_head = nn.Linear(32, 64, bias=False)
     model.lm_head.weight = model.embed.weight  # tied, as the default model's
     x = torch.randn(3, 32)
-    if scheme != "none":
+    if scheme == "tiles":
+        prepack_linears(model)
+    elif scheme != "none":
         quantize_linears(model, scheme)
     before = model.lm_head(model.model(x))
+    old = [weakref.ref(tiles_of(m)) for m in model.modules() if tiles_of(m) is not None]  # no name bound to one
+    old += [weakref.ref(q.w) for q in map(packed_of, model.modules()) if q]
+    assert bool(old) == (scheme != "none")
+    released = []
+    monkeypatch.setattr(llm_engine, "release_free_heap", lambda: released.append([r() is None for r in old]))
     moved = move_weights_to_huge_pages(model)
+    assert released == [[True] * len(old)]
     assert model.lm_head.weight is model.embed.weight
     tensors = [p for p in model.parameters() if p.numel()] + [q.w for q in map(packed_of, model.modules()) if q]
+    tensors += [t for m in model.modules() if (t := tiles_of(m)) is not None]
     assert moved == sum(t.numel() * t.element_size() for t in tensors)
     assert all(_advised(t.data_ptr()) for t in tensors)
     assert torch.equal(model.lm_head(model.model(x)), before)
@@ -177,6 +193,11 @@ def test_the_engine_keeps_its_weights_on_huge_pages_and_its_cache_when_prefaulte
     llm = LLM(str(make_tiny_model(tmp_path, "llama")), kv_cache_memory="8MiB", kv_cache_prefault=prefault)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))  # writes the cache
     engine = llm.engine
-    assert all(_advised(p.data_ptr()) for p in engine.model.parameters())
+    from pagoda.layers.linear import tiles_of
+
+    # the parameters (empty where the float32 tiles freed a plain weight) and the tiles
+    weights = [p for p in engine.model.parameters() if p.numel()]
+    tiles = [t for m in engine.model.modules() if (t := tiles_of(m)) is not None]
+    assert tiles and all(_advised(t.data_ptr()) for t in weights + tiles)
     cache = engine.runner.kv_caches[0]
     assert _advised(cache.k.data_ptr()) == _advised(cache.v.data_ptr()) == prefault

@@ -79,7 +79,7 @@ def test_q4_1_on_the_default_model() -> None:
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path("smollm2-135m-instruct")
-    plain = LLM(kv_cache_memory="64MiB")
+    plain = LLM(kv_cache_memory="64MiB", prepack_weights=False)  # its float weights stay (the tiles free them)
     q4 = LLM(quantization="q4_1", kv_cache_memory="64MiB")
     # prompts over q4_1's float16 cache may take the AMX tiles (CppAttentionBackend.bf16_prompts), float32's may not
     assert q4.engine.model.backend.bf16_prompts and not plain.engine.model.backend.bf16_prompts
@@ -131,7 +131,7 @@ def test_q8_0_on_the_default_model() -> None:
     computing the reference arithmetic, and the teacher-forced predictions stay close to float32's. Measured on
     2,044 positions (`bench.dtype_accuracy --quantization q8_0`, BENCHMARKS.md): 96.3% same top-1, mean |logprob
     change| 0.079 (q4_1: 92.8%, 0.139); a layer computing the wrong thing drops far below the bounds here."""
-    plain = LLM(kv_cache_memory="64MiB")
+    plain = LLM(kv_cache_memory="64MiB", prepack_weights=False)  # its float weights stay (the tiles free them)
     q8 = LLM(quantization="q8_0", kv_cache_memory="64MiB")
     g = torch.Generator().manual_seed(1)
     lm_head = ("lm_head", plain.engine.model.lm_head, q8.engine.model.lm_head)

@@ -62,6 +62,7 @@ def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     gemv = bf16._pagoda_gemv
     bf16._pagoda_gemv = lambda x, w, b: calls.append(x.shape[0]) or gemv(x, w, b)
+    f32_weight = f32.weight.detach().clone()
     linear.prepack_linears(model)
     bf16_packable = linear.packable_rows(torch.bfloat16) is not None  # not on AVX2 CPUs
     assert linear.is_packed(bf16) == bf16_packable and linear.is_packed(f32)
@@ -78,7 +79,7 @@ def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     f32._pagoda_tiles_call = lambda x, w, b: tile_calls.append(x.shape[0]) or f32_tiles(x, w, b)
     for rows in (1, top, top + 1, 2000):
         x = torch.randn(rows, 32)
-        torch.testing.assert_close(f32(x), F.linear(x, f32.weight, f32.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(f32(x), F.linear(x, f32_weight, f32.bias), rtol=1e-5, atol=1e-5)
     assert f32_calls == [] and tile_calls == [1, top, top + 1, 2000]  # the tiles before the GEMV
     assert packed_calls == ([top + 1] if bf16_packable else [])  # no float32 step went to oneDNN
 
@@ -93,7 +94,8 @@ def test_bfloat16_not_packed_where_onednn_cannot(monkeypatch: pytest.MonkeyPatch
     added, rows = linear.prepack_linears(model)
     assert not linear.is_packed(model[0]) and linear.is_packed(model[1])
     packed = linear.tiles_of(model[1])
-    assert packed is not None and added == packed.numel() * 4 and rows == linear.TILE_ROWS
+    # the tiles (16 outputs in a whole panel) less the plain float32 weight they replace
+    assert packed is not None and added == (packed.numel() - 16 * 32) * 4 and rows == linear.TILE_ROWS
 
 
 @pytest.mark.parametrize("portable", [False, True])
@@ -117,6 +119,43 @@ def test_float32_tiles_match_float64_linear(portable: bool, n: int, k: int) -> N
             got = call(x, packed, bias)
             assert got.dtype == torch.float32 and got.shape == (m, n)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_tiles_free_the_plain_float32_weights_but_shared_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepack_linears frees a float32 layer's plain weight once its tiles take every input (an empty tensor of its
+    dtype stays), keeps one another module shares (a tied lm_head's, which the embedding reads) and, with
+    keep_plain, all of them; the tiles then serve inputs of any leading shape and refuse other dtypes and widths
+    by name; should_prepack counts only the copies that stay; a second prepack_linears leaves the layers as they
+    are."""
+    model = nn.Module()
+    model.embed = nn.Embedding(48, 64)
+    model.proj = nn.Linear(64, 40)
+    model.lm_head = nn.Linear(64, 48, bias=False)
+    model.lm_head.weight = model.embed.weight
+    plain = {name: m.weight.detach().clone() for name, m in (("proj", model.proj), ("lm_head", model.lm_head))}
+    # the auto limit counts the shared weight only (48 x 64 float32), not the one the tiles free
+    monkeypatch.setattr(linear, "PREPACK_AUTO_MAX_BYTES", 48 * 64 * 4)
+    assert linear.should_prepack(model, torch.float32, None, compile_model=False)
+    monkeypatch.setattr(linear, "PREPACK_AUTO_MAX_BYTES", 48 * 64 * 4 - 1)
+    assert not linear.should_prepack(model, torch.float32, None, compile_model=False)
+    added, _ = linear.prepack_linears(model)
+    assert model.proj.weight.numel() == 0 and model.proj.weight.dtype == torch.float32
+    assert model.lm_head.weight is model.embed.weight and torch.equal(model.lm_head.weight, plain["lm_head"])
+    panels = [linear.tiles_of(m) for m in (model.proj, model.lm_head)]
+    assert added == sum(t.numel() for t in panels if t is not None) * 4 - 40 * 64 * 4
+    x = torch.randn(2, 3, 64)
+    for name, layer in (("proj", model.proj), ("lm_head", model.lm_head)):
+        want = F.linear(x.double(), plain[name].double(), None if layer.bias is None else layer.bias.double())
+        torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-4)
+    assert model.proj(x[:, :0]).shape == (2, 0, 40)
+    with pytest.raises(ValueError, match=r"float32 x of shape \(\.\.\., 64\); got torch.bfloat16"):
+        model.proj(x.bfloat16())
+    with pytest.raises(ValueError, match=r"shape \(\.\.\., 64\); got torch.float32 \(5, 63\)"):
+        model.proj(torch.randn(5, 63))
+    assert linear.prepack_linears(model) == (0, None) and linear.tiles_of(model.proj) is panels[0]
+    kept = nn.Linear(64, 40)
+    linear.prepack_linears(nn.Sequential(kept), keep_plain=True)
+    assert kept.weight.shape == (40, 64) and linear.tiles_of(kept) is not None
 
 
 def test_float32_packs_for_onednn_without_tiles() -> None:
