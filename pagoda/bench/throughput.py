@@ -116,7 +116,7 @@ def matmul_peak(model: Any) -> dict[str, float]:
         except Exception:  # no C++ compiler: the engine's float32 linears are not on it either (prepack_linears)
             lib = None
         if lib is not None:
-            tiles, tiles_call = pack_tiles(w, lib.pagoda_f32_tiles_panel()), _tiles_call(lib, w.shape[0])
+            tiles, tiles_call = pack_tiles(w, lib.pagoda_f32_tiles_panel()), _tiles_call(lib, w.shape[0], w.shape[1])
             matmuls["tiles"] = lambda: tiles_call(x, tiles, None)
     best = dict.fromkeys(matmuls, float("inf"))
     for _ in range(40):  # best of many: the peak, not a mean the noisy neighbours drag down; alternated

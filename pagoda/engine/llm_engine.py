@@ -103,8 +103,8 @@ class LLMEngine:
             added, rows = prepack_linears(self.model)
             if rows is not None:
                 upto = f"-{rows.stop - 1}" if rows.stop < 1 << 31 else " or more"
-                logger.info("prepacked linear weights for steps of %d%s tokens: %.1f MiB more (float32's plain "
-                            "weights freed where not shared)", rows.start, upto, added / 2**20)
+                logger.info("prepacked linear weights for steps of %d%s tokens: %.1f MiB more (the plain weights "
+                            "of layers on tiles freed where not shared)", rows.start, upto, added / 2**20)
             else:
                 logger.warning("prepack_weights: nothing packed (it applies to float32 weights, and to bfloat16 "
                                "ones where oneDNN supports bfloat16 on this CPU); dtype is %s", mc.torch_dtype)

@@ -120,11 +120,13 @@ extern "C" int64_t pagoda_f32_tiles_panel() { return P; }
 #define PAGODA_ROW_BLOCK_BYTES (256 << 10)
 #endif
 
-// x (M, K), wp: w (N, K) packed by pack_tiles, bias (N) or null, y (M, N); all float32, contiguous; M >= 0.
-extern "C" void pagoda_f32_tiles_linear(const float* x, const float* wp, const float* bias, float* y, int64_t M,
-                                        int64_t N, int64_t K) {
+// Each thread a contiguous share of the panels (panel_elems elements apart in wp), a block of rows (block_bytes of
+// x) past each in turn; full(x, panel, bias, y, cols) a tile of MR rows, part(..., rows) one of fewer.
+template <typename E, typename Full, typename Part>
+static void run_tiles(const E* x, const E* wp, const E* bias, E* y, int64_t M, int64_t N, int64_t K,
+                      int64_t panel_elems, Full full, Part part) {
   const int64_t panels = (N + P - 1) / P;
-  const int64_t block = std::max<int64_t>(1, PAGODA_ROW_BLOCK_BYTES / (K * 4 * MR)) * MR;
+  const int64_t block = std::max<int64_t>(1, PAGODA_ROW_BLOCK_BYTES / (K * int64_t(sizeof(E)) * MR)) * MR;
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
@@ -132,13 +134,136 @@ extern "C" void pagoda_f32_tiles_linear(const float* x, const float* wp, const f
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       const int64_t m1 = std::min(M, m0 + block);
       for (int64_t p = p0; p < p1; ++p) {
-        const float* panel = wp + p * K * P;
-        const float* b = bias != nullptr ? bias + p * P : nullptr;
+        const E* panel = wp + p * panel_elems;
+        const E* b = bias != nullptr ? bias + p * P : nullptr;
         const int64_t cols = std::min<int64_t>(P, N - p * P);
         int64_t m = m0;
-        for (; m + MR <= m1; m += MR) tile<MR>(x + m * K, K, panel, b, y + m * N + p * P, N, cols);
-        tail<MR - 1>(x + m * K, K, panel, b, y + m * N + p * P, N, cols, m1 - m);
+        for (; m + MR <= m1; m += MR) full(x + m * K, panel, b, y + m * N + p * P, cols);
+        if (m < m1) part(x + m * K, panel, b, y + m * N + p * P, cols, m1 - m);
       }
     }
   }
+}
+
+// x (M, K), wp: w (N, K) packed by pack_tiles, bias (N) or null, y (M, N); all float32, contiguous; M >= 0.
+extern "C" void pagoda_f32_tiles_linear(const float* x, const float* wp, const float* bias, float* y, int64_t M,
+                                        int64_t N, int64_t K) {
+  run_tiles(
+      x, wp, bias, y, M, N, K, K * P,
+      [=](const float* xs, const float* panel, const float* b, float* ys, int64_t cols) {
+        tile<MR>(xs, K, panel, b, ys, N, cols);
+      },
+      [=](const float* xs, const float* panel, const float* b, float* ys, int64_t cols, int64_t rows) {
+        tail<MR - 1>(xs, K, panel, b, ys, N, cols, rows);
+      });
+}
+
+// ---- bfloat16 ----
+// The same tiles over bfloat16 weights packed in pairs of k: (ceil(N / P), ceil(K / 2), P, 2), each column's w[k]
+// and w[k + 1] side by side (zeros past N and past K; pack_tiles with pairs=True), x and y bfloat16, sums float32,
+// rounded to bfloat16 (nearest even) once, after the bias, as oneDNN rounds. With AVX-512 BF16 one `vdpbf16ps` adds
+// both products of a pair to 16 columns' sums (two multiply-adds an instruction, at the rate of one); elsewhere each
+// pair is widened to two float32 vectors for two multiply-adds.
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+#define PAGODA_BF16_NATIVE 1
+#else
+#define PAGODA_BF16_NATIVE 0
+#endif
+
+// Whether the bfloat16 tiles run on `vdpbf16ps` in this build (linear.py packs bfloat16 for them only then).
+extern "C" int64_t pagoda_bf16_tiles_native() { return PAGODA_BF16_NATIVE; }
+
+static inline uint32_t load_pair(const uint16_t* p) {
+  uint32_t u;
+  std::memcpy(&u, p, sizeof(u));
+  return u;
+}
+
+// R rows x the panel's columns [0, cols).
+template <int R>
+static inline void tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, const uint16_t* bias, uint16_t* y,
+                             int64_t N, int64_t cols) {
+#if PAGODA_BF16_NATIVE
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  // pairs (x[k], x[k + 1]); with K odd the last is (x[K - 1], 0): the row's next element is not read
+  const auto step = [&](const uint16_t* w, auto x_pair) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w), b1 = (__m512bh)_mm512_loadu_si512(w + 2 * L);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int(x_pair(x + r * K)));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+    }
+  };
+#else
+  vf acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vf{};
+  const auto step = [&](const uint16_t* w, auto x_pair) {
+    vu32 u[2];
+    std::memcpy(u, w, sizeof(u));
+    vf lo[2], hi[2];
+    for (int h = 0; h < 2; ++h) {
+      const vu32 l = u[h] << 16, m = u[h] & 0xffff0000u;
+      std::memcpy(&lo[h], &l, sizeof(l));
+      std::memcpy(&hi[h], &m, sizeof(m));
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint32_t p = x_pair(x + r * K);
+      const vf a0 = splat(bf16_to_f(uint16_t(p))), a1 = splat(bf16_to_f(uint16_t(p >> 16)));
+      acc[r][0] = madd(a1, hi[0], madd(a0, lo[0], acc[r][0]));
+      acc[r][1] = madd(a1, hi[1], madd(a0, lo[1], acc[r][1]));
+    }
+  };
+#endif
+#if PAGODA_PREFETCH_Y
+  for (int r = 0; r < R; ++r) __builtin_prefetch(y + r * N, 1, 3);
+#endif
+  const int64_t pairs = K / 2;
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    step(panel + kk * 2 * P, [kk](const uint16_t* row) { return load_pair(row + 2 * kk); });
+  }
+  if (K & 1) step(panel + pairs * 2 * P, [K](const uint16_t* row) { return uint32_t(row[K - 1]); });
+  for (int r = 0; r < R; ++r) {
+    vf s[2];
+    std::memcpy(s, &acc[r][0], sizeof(s[0]));
+    std::memcpy(s + 1, &acc[r][1], sizeof(s[1]));
+    uint16_t* out = y + r * N;
+    if (cols == P) {  // rounded as f_to_bf16 rounds, vectorized (without its NaN test)
+      for (int h = 0; h < 2; ++h) {
+        if (bias != nullptr) s[h] += load_bf16(bias + h * L);
+        vu32 u;
+        std::memcpy(&u, &s[h], sizeof(u));
+        const vu16 b = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, vu16);
+        std::memcpy(out + h * L, &b, sizeof(b));
+      }
+      continue;
+    }
+    float sums[P];
+    std::memcpy(sums, s, sizeof(sums));
+    for (int64_t c = 0; c < cols; ++c) out[c] = f_to_bf16(sums[c] + (bias != nullptr ? bf16_to_f(bias[c]) : 0.0f));
+  }
+}
+
+template <int R>
+static void tail_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, const uint16_t* bias, uint16_t* y,
+                      int64_t N, int64_t cols, int64_t left) {
+  if constexpr (R > 0) {
+    if (left == R) tile_bf16<R>(x, K, panel, bias, y, N, cols);
+    else tail_bf16<R - 1>(x, K, panel, bias, y, N, cols, left);
+  }
+}
+
+// x (M, K), wp: w (N, K) packed by pack_tiles(pairs=True), bias (N) or null, y (M, N); all bfloat16 (as uint16),
+// contiguous; M >= 0. The GEMV's signature, as the float32 kernel's.
+extern "C" void pagoda_bf16_tiles_linear(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
+                                         int64_t M, int64_t N, int64_t K) {
+  run_tiles(
+      x, wp, bias, y, M, N, K, (K + 1) / 2 * 2 * P,
+      [=](const uint16_t* xs, const uint16_t* panel, const uint16_t* b, uint16_t* ys, int64_t cols) {
+        tile_bf16<MR>(xs, K, panel, b, ys, N, cols);
+      },
+      [=](const uint16_t* xs, const uint16_t* panel, const uint16_t* b, uint16_t* ys, int64_t cols, int64_t rows) {
+        tail_bf16<MR - 1>(xs, K, panel, b, ys, N, cols, rows);
+      });
 }

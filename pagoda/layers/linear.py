@@ -1,5 +1,5 @@
 """Linear layers on packed weights for batched steps (`--prepack-weights`; by default for float32 and bfloat16
-models whose packed copy takes at most PREPACK_AUTO_MAX_BYTES), and a GEMV for steps of a few rows.
+models whose packing adds at most PREPACK_AUTO_MAX_BYTES), and a GEMV for steps of a few rows.
 
 Float32: weights packed in panels for a tile kernel of our own (`f32_tiles.cpp`), which takes every step of a
 float32 layer, one stream's included. Against oneDNN's matmul on its own packed weights (what these layers ran
@@ -10,16 +10,22 @@ call (pagoda/model/one_stream.py). The float32 128-request workload ran 1.023-1.
 (`bench.alternate`, Zen 4; BENCHMARKS.md, "Float32 linears on tiles of our own"). Where the kernel cannot be built
 (logged), float32 weights are packed for oneDNN as bfloat16 ones are.
 
-bfloat16: oneDNN on its weights reordered once into its blocked layout, against F.linear on the plain weight
-(`python -m pagoda.bench.linear_stream --dtype bfloat16`, one step's matmuls, BENCHMARKS.md): 1.08-1.73x at 1-1,024
-rows, but 0.61x at 2,048 (a full prompt-chunk step); so the packed weight serves PACKED_ROWS[dtype], the plain one
-the rest. (Float32 on oneDNN's packing, for the fallback: 1.30-1.56x F.linear at 4-32 rows, 0.90x at 1-2.)
+bfloat16 on a CPU with AVX-512 BF16: the same tiles over weights packed in pairs of k, one `vdpbf16ps` for both
+products of a pair (`pagoda_bf16_tiles_linear`), every step, one stream's included. On the Zen 4 machine
+(`python -m pagoda.bench.f32_tiles --dtype bfloat16`, BENCHMARKS.md, "bfloat16 linears on the tiles"): a decode
+step's linears 1.02x the GEMV at 1 row, 1.16-1.47x the best of the GEMV and oneDNN at 4-256 rows, the decoder's
+shapes 1.02-1.04x oneDNN's packed weight at 2,048 rows (443-456 GFLOP/s, ~97% of `vdpbf16ps`'s rate there).
+Elsewhere (no AVX-512 BF16: the tiles' widening path was not measured against oneDNN's), oneDNN on its weights
+reordered once into its blocked layout, against F.linear on the plain weight (`python -m
+pagoda.bench.linear_stream --dtype bfloat16`, one step's matmuls, BENCHMARKS.md): 1.08-1.73x at 1-1,024 rows, but
+0.61x at 2,048 (a full prompt-chunk step, Xeon); so the packed weight serves PACKED_ROWS[dtype], the plain one the
+rest. (Float32 on oneDNN's packing, for the fallback: 1.30-1.56x F.linear at 4-32 rows, 0.90x at 1-2.)
 
-Memory: a float32 layer's tiles replace its plain weight, which is freed (an empty tensor stays, for code that
-looks at dtypes, as with --quantization), unless another module shares it: the tied lm_head keeps the rows the
-embedding reads, so there the tiles are a second copy. A bfloat16 layer keeps its plain weight next to oneDNN's
-packed one, for the GEMV and for steps beyond PACKED_ROWS: twice the weight memory. Results differ from F.linear by
-float rounding only. Not combined with --compile-model, whose graph would have to branch on the token count.
+Memory: a layer's tiles replace its plain weight, which is freed (an empty tensor stays, for code that looks at
+dtypes, as with --quantization), unless another module shares it: the tied lm_head keeps the rows the embedding
+reads, so there the tiles are a second copy. A bfloat16 layer on oneDNN's packing keeps its plain weight next to
+it, for the GEMV and for steps beyond PACKED_ROWS: twice the weight memory. Results differ from F.linear by float
+rounding only. Not combined with --compile-model, whose graph would have to branch on the token count.
 
 For one stream (1-GEMV_MAX_ROWS rows) of a bfloat16 model, oneDNN packed or not reads the weights at about
 a third of the memory's speed; a GEMV of our own (`gemv.cpp`, enabled with the fused ops) streams them
@@ -52,9 +58,11 @@ logger = logging.getLogger(__name__)
 # tiles cannot be built) from 3 rows up: on the Zen 4 machine it was 1.16-1.17x the plain weight at 128 rows,
 # 1.04-1.13x at 192-512, 1.045x on the decoder's linears at 2,048 (BENCHMARKS.md).
 PACKED_ROWS: dict[torch.dtype, range] = {torch.float32: range(3, 1 << 62), torch.bfloat16: range(1, 1025)}
-# Rows a float32 layer's tiles take (f32_tiles.cpp): every step, before the GEMV, whose rows they stream as fast as
-# a read of the weights and 1.03-1.7x faster than the GEMV at 1-4 rows (ad hoc, one step's 120 linears in turn, Zen 4)
+# Rows a layer's tiles take (f32_tiles.cpp): every step, before the GEMV, whose rows they stream as fast as a read of
+# the weights and, in float32, 1.03-1.7x faster than the GEMV at 1-4 rows (ad hoc, one step's 120 linears in turn,
+# Zen 4); in bfloat16 1.02x at 1 row, 1.47x at 4 (`bench.f32_tiles --dtype bfloat16 --step`)
 TILE_ROWS = range(1, 1 << 62)
+TILE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # Rows (tokens in the step) that bfloat16 and float32 linears give to the C++ GEMV (gemv.cpp) once enable_gemv
@@ -75,7 +83,7 @@ ONEDNN_FLOAT32 = True
 
 
 def _forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The forward of a linear with the paths this module adds, each taken where it applies: a float32 weight's tiles
+    """The forward of a linear with the paths this module adds, each taken where it applies: its tiles
     (layer._pagoda_tiles, set by prepack_linears) for any rows, the C++ GEMV (layer._pagoda_gemv, set by
     enable_gemv) for 1-GEMV_MAX_ROWS rows, the oneDNN-packed weight (layer._pagoda_packed, set by prepack_linears)
     for PACKED_ROWS, oneDNN on the plain weight for other float32 steps (ONEDNN_FLOAT32), F.linear otherwise."""
@@ -169,7 +177,7 @@ def enable_gemv(model: nn.Module, portable: bool = False) -> float:
 
 
 # `prepack_weights` left to the engine (None) packs float32 and bfloat16 models whose packing adds at most this much
-# memory (float32 on the tiles adds only a tied lm_head's copy: the other plain weights are freed), while larger
+# memory (on the tiles only a tied lm_head's copy: the other plain weights are freed), while larger
 # copies cost more memory for a share of the step that was not measured (BENCHMARKS.md). With the default model:
 # bfloat16's 128-request workload ran 1.23x and 1.31x faster end to end (+270 MB, Xeon); float32 decode steps of 16
 # and 64 requests 1.13x and 1.11x faster than oneDNN on the plain weights (+540 MB; AVX2, `bench.decode_step
@@ -191,16 +199,15 @@ def should_prepack(model: nn.Module, dtype: torch.dtype, asked: bool | None, com
     """Whether the engine packs the model's linears: as asked, or by default (asked is None) for float32 and
     bfloat16 models whose packing adds at most PREPACK_AUTO_MAX_BYTES of memory, except with compile_model (whose
     graph cannot branch on the token count) and where no layer would be packed (all quantized: q4_1). On the tiles,
-    float32 packing adds only the shared weights' copies (prepack_linears frees the others): the tied lm_head's."""
+    packing adds only the shared weights' copies (prepack_linears frees the others): the tied lm_head's."""
     if asked is not None:
         return asked
     if compile_model or packable_rows(dtype) is None:  # None also for dtypes without PACKED_ROWS (float64)
         return False
     layers = [m for m in model.modules() if _packable(m)]
-    tiles = any(map(_tiles_fit, layers)) and _tiles_library_or_none() is not None
-    shared = _shared_weights(model)
+    lib, shared = _tiles_library_or_none(layers), _shared_weights(model)
     copy = sum(m.weight.numel() * m.weight.element_size() for m in layers
-               if not (tiles and _tiles_fit(m)) or id(m.weight) in shared)
+               if not _tiles_fit(m, lib) or id(m.weight) in shared)
     return bool(layers) and copy <= PREPACK_AUTO_MAX_BYTES
 
 
@@ -211,35 +218,44 @@ _TILES_SOURCE = Path(__file__).with_name("f32_tiles.cpp")
 def tiles_library(portable: bool = False) -> Any:
     """f32_tiles.cpp built (raises where it cannot be: no C++ compiler, ...)."""
     lib = load_library(_TILES_SOURCE, {"PORTABLE": 1} if portable else {})
-    lib.pagoda_f32_tiles_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    lib.pagoda_f32_tiles_linear.restype = None
-    lib.pagoda_f32_tiles_panel.restype = ctypes.c_int64
+    for fn in (lib.pagoda_f32_tiles_linear, lib.pagoda_bf16_tiles_linear):
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        fn.restype = None
+    lib.pagoda_f32_tiles_panel.restype = lib.pagoda_bf16_tiles_native.restype = ctypes.c_int64
     return lib
 
 
+def tiles_function(lib: Any, dtype: torch.dtype) -> Any:
+    """The library's tile kernel for weights (and x, y) of dtype: float32 or bfloat16."""
+    return lib.pagoda_f32_tiles_linear if dtype == torch.float32 else lib.pagoda_bf16_tiles_linear
+
+
 def pack_tiles(w: torch.Tensor, panel: int) -> torch.Tensor:
-    """w (N, K) as f32_tiles.cpp reads it: (ceil(N / panel), K, panel), each panel's columns side by side for every
-    k, zeros past N."""
+    """w (N, K) as f32_tiles.cpp reads it: float32 as (ceil(N / panel), K, panel), each panel's columns side by side
+    for every k; bfloat16 as (ceil(N / panel), ceil(K / 2), panel, 2), each column's pair of k side by side; zeros
+    past N (and past K)."""
     n, k = w.shape
     padded = -(-n // panel) * panel
+    if w.dtype != torch.float32:  # in pairs of k
+        w = F.pad(w, (0, k % 2, 0, padded - n))
+        return w.reshape(padded // panel, panel, -1, 2).transpose(1, 2).contiguous()
     if padded != n:
         w = torch.cat([w, w.new_zeros(padded - n, k)])
     return w.reshape(padded // panel, panel, k).transpose(1, 2).contiguous()
 
 
-def _tiles_call(lib: Any, out_features: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
-                                                          torch.Tensor]:
-    """The packed forward of a float32 layer on tiles: x (..., K) float32 -> (..., out_features), as F.linear."""
-    fn = lib.pagoda_f32_tiles_linear
+def _tiles_call(lib: Any, out_features: int, in_features: int, dtype: torch.dtype = torch.float32
+                ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """The packed forward of a float32 or bfloat16 layer on tiles: x (..., K) -> (..., out_features), as F.linear."""
+    fn, k = tiles_function(lib, dtype), in_features
 
     def call(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        k = packed.shape[1]
-        if x.dtype != torch.float32 or x.shape[-1] != k:
-            raise ValueError(f"a float32 linear of {k} inputs takes float32 x of shape (..., {k}); got {x.dtype} "
+        if x.dtype != dtype or x.shape[-1] != k:
+            raise ValueError(f"a {dtype} linear of {k} inputs takes {dtype} x of shape (..., {k}); got {x.dtype} "
                              f"{tuple(x.shape)}")
         lead = x.shape[:-1]
         x = x.reshape(-1, k).contiguous()
-        y = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        y = torch.empty((x.shape[0], out_features), dtype=dtype)
         if len(x):
             fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), len(x),
                out_features, k)
@@ -254,11 +270,13 @@ def _packable(module: nn.Module) -> TypeGuard[nn.Linear]:
             and packable_rows(module.weight.dtype) is not None)
 
 
-def _tiles_fit(layer: nn.Linear) -> bool:
-    """Whether the tile kernel can take the layer: float32 weight, and bias if any."""
-    bias = layer.bias
-    return layer.weight.dtype == torch.float32 and (bias is None or (bias.dtype == torch.float32
-                                                                     and bias.is_contiguous()))
+def _tiles_fit(layer: nn.Linear, lib: Any) -> bool:
+    """Whether lib's tile kernels (None: not built) take the layer: a float32 weight, or a bfloat16 one where they
+    run on `vdpbf16ps` (pagoda_bf16_tiles_native: the build that was measured), and a bias of its dtype if any."""
+    w, bias = layer.weight, layer.bias
+    return (lib is not None and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16
+                                                                and lib.pagoda_bf16_tiles_native()))
+            and (bias is None or (bias.dtype == w.dtype and bias.is_contiguous())))
 
 
 def _shared_weights(model: nn.Module) -> set[int]:
@@ -267,32 +285,37 @@ def _shared_weights(model: nn.Module) -> set[int]:
     return {key for key, count in counts.items() if count > 1}
 
 
-def _tiles_library_or_none() -> Any:
+def _tiles_library_or_none(layers: list[nn.Linear]) -> Any:
+    """tiles_library() if a layer's dtype is one it has a kernel for and it can be built (else logged), or None."""
+    if not any(m.weight.dtype in TILE_DTYPES for m in layers):
+        return None
     try:
         return tiles_library()
     except Exception as e:  # no C++ compiler, ...
-        logger.warning("could not compile the float32 tile kernel (%s); float32 linears pack for oneDNN", e)
+        logger.warning("could not compile the tile kernels (%s); float32 and bfloat16 linears pack for oneDNN", e)
         return None
 
 
 def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = False) -> tuple[int, range | None]:
     """Gives every float32 or bfloat16 nn.Linear of the model a packed copy of its weight; returns the bytes this
     adds to the model's memory (the packed copies less the plain weights freed) and the rows the packed weights
-    serve ((0, None) if no layer has a dtype that can be packed here, packable_rows). Float32 weights are packed in
-    panels for f32_tiles.cpp's kernel, which then takes every step (TILE_ROWS), and their plain weights are freed
-    (an empty tensor of their dtype stays) unless another module shares them (the tied lm_head's, the embedding's)
-    or keep_plain (for benchmarks that time both sides). Where the kernel cannot be built (logged), or with
-    tiles=False, they are packed for oneDNN as bfloat16 ones are, for PACKED_ROWS[dtype], next to the plain weight."""
+    serve ((0, None) if no layer has a dtype that can be packed here, packable_rows). Float32 weights, and bfloat16
+    ones where the tiles run on `vdpbf16ps` (_tiles_fit), are packed in panels for f32_tiles.cpp's kernels, which
+    then take every step (TILE_ROWS), and their plain weights are freed (an empty tensor of their dtype stays)
+    unless another module shares them (the tied lm_head's, the embedding's) or keep_plain (for benchmarks that time
+    both sides). Other bfloat16 weights, and all where the kernels cannot be built (logged) or with tiles=False, are
+    packed for oneDNN, for PACKED_ROWS[dtype], next to the plain weight."""
     added, used = 0, None
     layers = [m for m in model.modules() if _packable(m)]
-    lib = _tiles_library_or_none() if tiles and any(map(_tiles_fit, layers)) else None
+    lib = _tiles_library_or_none(layers) if tiles else None
     shared = _shared_weights(model)
     for module in layers:
         _install(module)
         w = module.weight.detach()
-        if lib is not None and _tiles_fit(module):
+        if lib is not None and _tiles_fit(module, lib):
             packed = module._pagoda_tiles = pack_tiles(w, lib.pagoda_f32_tiles_panel())  # type: ignore[assignment]
-            module._pagoda_tiles_call = _tiles_call(lib, module.out_features)  # type: ignore[assignment]
+            module._pagoda_tiles_call = _tiles_call(  # type: ignore[assignment]
+                lib, module.out_features, module.in_features, w.dtype)
             used = TILE_ROWS
             if not keep_plain and id(module.weight) not in shared:
                 added -= w.numel() * w.element_size()

@@ -9,14 +9,14 @@ same arguments.
 
 Which steps: those that are decodes alone, as many as the eager path gives to the kernels the loop calls: where
 every linear runs one packed kernel (`--quantization q4_1` or `q8_0`, whose kernel takes any number of rows), or a
-float32 model's linears run on their tiles (f32_tiles.cpp, the default), any number; a bfloat16 model's linears
-(or a float32 one's without tiles) take the GEMV for 1-GEMV_MAX_ROWS (4) rows and oneDNN's matmuls beyond, so up
-to 4 sequences. A 128-sequence q4_1 decode step spent ~19% of its main thread in Python, while the other OpenMP
-thread waited (BENCHMARKS.md, "Batched decode steps in one call").
+float32 or bfloat16 model's linears run on their tiles (f32_tiles.cpp, the default; bfloat16 where the CPU has
+AVX-512 BF16), any number; a model's linears without tiles take the GEMV for 1-GEMV_MAX_ROWS (4) rows and oneDNN's
+matmuls beyond, so up to 4 sequences. A 128-sequence q4_1 decode step spent ~19% of its main thread in Python,
+while the other OpenMP thread waited (BENCHMARKS.md, "Batched decode steps in one call").
 
 Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 or float32 model
 whose linears have the GEMV (or all run the same packed kernel, with `--quantization` Q4_1 or Q8_0, or the
-float32 tiles, each with the GEMV's signature), the fused elementwise ops, the cpp attention backend's kernel for a
+tiles, each with the GEMV's signature), the fused elementwise ops, the cpp attention backend's kernel for a
 cache of the model's dtype (or, under a float32 model, of bfloat16 or float16; or, under either, int8 with a scale
 per token: K and V are rounded or quantized as the eager path's write does it; not fp8, not per-block scales), and no
 per-head q/k norm (Qwen3). Otherwise the model keeps its eager forward (logged).
@@ -41,7 +41,15 @@ from pagoda.layers.attention.cpp import CppAttentionBackend, decode_spans, write
 from pagoda.layers.attention.cpp import _library_for as _attention_library
 from pagoda.layers.attention.cpp import supports as cpp_supports
 from pagoda.layers.cpp_build import load_library
-from pagoda.layers.linear import GEMV_DTYPES, GEMV_MAX_ROWS, _gemv_library, gemv_function, tiles_library, tiles_of
+from pagoda.layers.linear import (
+    GEMV_DTYPES,
+    GEMV_MAX_ROWS,
+    _gemv_library,
+    gemv_function,
+    tiles_function,
+    tiles_library,
+    tiles_of,
+)
 from pagoda.layers.q4_linear import Q8Linear, packed_of
 
 if TYPE_CHECKING:
@@ -67,7 +75,7 @@ class OneStreamForward:
     """forward(input_ids, positions, meta) -> (final hidden (B, hidden), logits (B, vocab)) for a step this forward
     takes (`applies`), else None. The lm_head runs in the same call (its Python call, after the weights have
     streamed through the caches, cost ~0.25 ms a one-stream step; BENCHMARKS.md, "The lm_head in the one-call
-    forward"), where it takes the GEMV, the float32 tiles or a packed Q8_0 or Q4_1 kernel; otherwise logits is None
+    forward"), where it takes the GEMV, the tiles or a packed Q8_0 or Q4_1 kernel; otherwise logits is None
     and the caller runs the lm_head."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKVCache], lib: Any) -> None:
@@ -78,14 +86,14 @@ class OneStreamForward:
         attention = _attention_library(kv_caches[0], cfg.num_heads)
         dtype = self._dtype = model.model.embed_tokens.weight.dtype
         quantized = packed_of(first_attn.qkv_proj)  # if it runs a packed kernel, all run that one (_unsupported)
-        # A float32 model whose linears have their weights packed in tiles (linear.py's prepack_linears; all of them
-        # or none, _unsupported) runs f32_tiles.cpp's kernel at every row count, as the eager path does
+        # A float32 or bfloat16 model whose linears have their weights packed in tiles (linear.py's prepack_linears;
+        # all of them or none, _unsupported) runs f32_tiles.cpp's kernel at every row count, as the eager path does
         tiles = tiles_of(first_attn.qkv_proj) is not None
         # The most decodes a step may have to be taken: the packed kernels and the tiles take any number of rows,
         # and are what the eager path runs; the GEMV is the eager path's kernel for 1-GEMV_MAX_ROWS rows (oneDNN's
         # beyond).
         self.max_rows = sys.maxsize if quantized is not None or tiles else GEMV_MAX_ROWS
-        linear_fn = (quantized.kernel if quantized is not None else tiles_library().pagoda_f32_tiles_linear if tiles
+        linear_fn = (quantized.kernel if quantized is not None else tiles_function(tiles_library(), dtype) if tiles
                      else gemv_function(_gemv_library(), dtype))
         lm_head = _lm_head(model)
         self._lm_w = lm_head[1] if lm_head is not None else None
@@ -123,7 +131,7 @@ class OneStreamForward:
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
-        def weight(linear: nn.Linear) -> int | None:  # a quantized layer's packed weights, a float32 one's tiles
+        def weight(linear: nn.Linear) -> int | None:  # packed weights (quantized), or tiles
             packed = packed_of(linear)
             return ptr(packed.w if packed is not None else tiles_of(linear) if tiles else linear.weight)
 
@@ -226,7 +234,7 @@ def _lm_head(model: LlamaForCausalLM) -> tuple[Any, int, torch.dtype, int] | Non
     """The lm_head's kernel, weight address, output dtype (what its own forward returns) and the most rows the kernel
     takes, where its forward on the final norm's rows (of the model's dtype) is a call the loop can make: the GEMV
     (installed by enable_gemv; 1-GEMV_MAX_ROWS rows), a packed Q8_0/Q4_1 kernel (any number; without a bias) or a
-    float32 model's tiles (any number); else None."""
+    float32 or bfloat16 model's tiles (any number); else None."""
     lm, dtype = model.lm_head, model.model.embed_tokens.weight.dtype
     if lm.bias is not None:
         return None
@@ -235,9 +243,9 @@ def _lm_head(model: LlamaForCausalLM) -> tuple[Any, int, torch.dtype, int] | Non
         ok = packed.bias is None and dtype == torch.float32
         return (packed.kernel, packed.w.data_ptr(), torch.float32, sys.maxsize) if ok else None
     tiles = tiles_of(lm)
-    if tiles is not None:  # a float32 model's: its own packed copy
-        ok = dtype == torch.float32
-        return (tiles_library().pagoda_f32_tiles_linear, tiles.data_ptr(), torch.float32, sys.maxsize) if ok else None
+    if tiles is not None:  # a float32 or bfloat16 model's
+        ok = tiles.dtype == dtype
+        return (tiles_function(tiles_library(), dtype), tiles.data_ptr(), dtype, sys.maxsize) if ok else None
     if getattr(lm, "_pagoda_gemv", None) is None or not lm.weight.is_contiguous() or lm.weight.dtype != dtype:
         return None
     return gemv_function(_gemv_library(), dtype), lm.weight.data_ptr(), dtype, GEMV_MAX_ROWS
@@ -268,7 +276,7 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str 
         return "the fused elementwise ops are off"
     kinds = {(type(packed_of(m)), tiles_of(m) is not None) for m in linears}
     if len(kinds) > 1:
-        return "the linears do not all run the same kernel (Q4_1, Q8_0, the float32 tiles or the GEMV)"
+        return "the linears do not all run the same kernel (Q4_1, Q8_0, the tiles or the GEMV)"
     packed = [packed_of(m) is not None or tiles_of(m) is not None for m in linears]
     if not linears or (not all(packed) and any(getattr(m, "_pagoda_gemv", None) is None for m in linears)):
         return "the linears have no GEMV"

@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.layers.linear import packable_rows
+from pagoda.layers.linear import packable_rows, tiles_library
 from pagoda.model.llama import ArchConfig
 from tests.conftest import check_greedy_against_reference, hf_greedy
 
 PROMPT_LENS = [1, 5, 17, 33, 64, 130, 300, 600]
 MAX_NEW = 12
 BF16_PACKABLE = packable_rows(torch.bfloat16) is not None
+BF16_TILES = BF16_PACKABLE and bool(tiles_library().pagoda_bf16_tiles_native())  # AVX-512 BF16
 
 
 def prompts() -> list[list[int]]:
@@ -99,8 +100,9 @@ def test_prepack_weights_by_default_for_small_float32_and_bfloat16_models(tiny_m
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """prepack_weights left to the engine: float32 and bfloat16 models are packed (bfloat16 where oneDNN packs
     bfloat16 on this CPU), float64 and q4_1 ones not, nor a model whose packing would add more than
-    PREPACK_AUTO_MAX_BYTES: bfloat16's copy of every weight, float32's tied lm_head's (its other plain weights are
-    freed: an untied float32 model adds nothing); asking decides either way."""
+    PREPACK_AUTO_MAX_BYTES: on the tiles (float32, and bfloat16 with AVX-512 BF16) only a tied lm_head's copy, the
+    other plain weights being freed (an untied model adds nothing), on oneDNN's packing a copy of every weight;
+    asking decides either way."""
     from torch import nn
 
     import pagoda.layers.linear as linear
@@ -117,8 +119,9 @@ def test_prepack_weights_by_default_for_small_float32_and_bfloat16_models(tiny_m
     assert quantized and not any(linear.is_packed(m) for m in quantized)  # only float layers get a packed copy
     assert not packed(dtype="float32", prepack_weights=False) and not packed(dtype="bfloat16", prepack_weights=False)
     monkeypatch.setattr(linear, "PREPACK_AUTO_MAX_BYTES", 1024)
-    assert not packed(dtype="bfloat16") and packed(dtype="bfloat16", prepack_weights=True) == BF16_PACKABLE
     tied = tiny_model[0] == "qwen2"  # the tiny qwen2 ties its lm_head to the embedding
+    assert packed(dtype="bfloat16") == (BF16_TILES and not tied)
+    assert packed(dtype="bfloat16", prepack_weights=True) == BF16_PACKABLE
     assert packed(dtype="float32") != tied and packed(dtype="float32", prepack_weights=True)
 
 

@@ -47,10 +47,16 @@ def test_float32_gemv_matches_float64_linear(portable: bool, n: int, k: int) -> 
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
-def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """enable_gemv: bfloat16 linears take the GEMV for 1-GEMV_MAX_ROWS rows, the packed weight (after
-    prepack_linears; oneDNN's) for the rest of PACKED_ROWS, F.linear beyond; float32 linears take the GEMV too, and
-    beyond its rows the tile kernel on their packed weight; float64 ones are left alone."""
+@pytest.mark.parametrize("bf16_tiles", [True, False])
+def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch, bf16_tiles: bool) -> None:
+    """enable_gemv: bfloat16 and float32 linears take the GEMV for 1-GEMV_MAX_ROWS rows; after prepack_linears
+    float32 ones take their tiles at every row count, and so do bfloat16 ones where the tiles run on `vdpbf16ps`
+    (pagoda_bf16_tiles_native); elsewhere bfloat16 ones keep the GEMV, oneDNN's packed weight for the rest of
+    PACKED_ROWS and F.linear beyond; float64 ones are left alone."""
+    if bf16_tiles and not linear.tiles_library().pagoda_bf16_tiles_native():
+        pytest.skip("this CPU has no AVX-512 BF16: bfloat16 linears do not take the tiles")
+    if not bf16_tiles:
+        monkeypatch.setattr(linear.tiles_library(), "pagoda_bf16_tiles_native", lambda: 0)
     packed_calls: list[int] = []
     pointwise = torch.ops.mkldnn._linear_pointwise  # looked up when a layer's forward is built: patch first
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
@@ -62,15 +68,19 @@ def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     gemv = bf16._pagoda_gemv
     bf16._pagoda_gemv = lambda x, w, b: calls.append(x.shape[0]) or gemv(x, w, b)
-    f32_weight = f32.weight.detach().clone()
+    f32_weight, bf16_weight = f32.weight.detach().clone(), bf16.weight.detach().clone()
     linear.prepack_linears(model)
     bf16_packable = linear.packable_rows(torch.bfloat16) is not None  # not on AVX2 CPUs
     assert linear.is_packed(bf16) == bf16_packable and linear.is_packed(f32)
+    assert (linear.tiles_of(bf16) is not None) == bf16_tiles and (bf16.weight.numel() == 0) == bf16_tiles
     top = linear.GEMV_MAX_ROWS
     for rows in (1, top, top + 1, 2000):
         x = torch.randn(rows, 64).bfloat16()
-        torch.testing.assert_close(bf16(x).float(), F.linear(x, bf16.weight, bf16.bias).float(), rtol=2**-7, atol=1e-2)
-    assert calls == [1, top] and packed_calls == ([top + 1] if bf16_packable else [])
+        torch.testing.assert_close(bf16(x).float(), F.linear(x, bf16_weight, bf16.bias).float(), rtol=2**-7, atol=1e-2)
+    if bf16_tiles:
+        assert calls == [] and packed_calls == []
+    else:
+        assert calls == [1, top] and packed_calls == ([top + 1] if bf16_packable else [])
     assert linear.tiles_of(f32) is not None
     f32_calls: list[int] = []
     tile_calls: list[int] = []
@@ -81,7 +91,7 @@ def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         x = torch.randn(rows, 32)
         torch.testing.assert_close(f32(x), F.linear(x, f32_weight, f32.bias), rtol=1e-5, atol=1e-5)
     assert f32_calls == [] and tile_calls == [1, top, top + 1, 2000]  # the tiles before the GEMV
-    assert packed_calls == ([top + 1] if bf16_packable else [])  # no float32 step went to oneDNN
+    assert packed_calls == ([top + 1] if bf16_packable and not bf16_tiles else [])  # no float32 step went to oneDNN
 
 
 def test_bfloat16_not_packed_where_onednn_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,7 +115,7 @@ def test_float32_tiles_match_float64_linear(portable: bool, n: int, k: int) -> N
     N not a multiple of the panel's columns (a part panel, zeros past N), with and without bias, row counts around
     the tile's rows (12 under AVX-512, 6 under AVX2, and their tails) and a large one; the portable build too."""
     lib = linear.tiles_library(portable)
-    call = linear._tiles_call(lib, n)
+    call = linear._tiles_call(lib, n, k)
     g = torch.Generator().manual_seed(n + 7 * k)
     w = torch.randn(n, k, generator=g)
     panel = lib.pagoda_f32_tiles_panel()
@@ -119,6 +129,31 @@ def test_float32_tiles_match_float64_linear(portable: bool, n: int, k: int) -> N
             got = call(x, packed, bias)
             assert got.dtype == torch.float32 and got.shape == (m, n)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (49, 1536), (7, 70), (130, 33), (300, 64)])
+def test_bfloat16_tiles_match_float64_linear(portable: bool, n: int, k: int) -> None:
+    """The bfloat16 tiles (weights in pairs of k; `vdpbf16ps` where the build has AVX-512 BF16, widened to float32
+    elsewhere and in the portable build) against F.linear in float64 on the same bfloat16 values: within one bfloat16
+    rounding of the sums; odd K (the last pair's second weight zero, its x never read), a part panel, with and
+    without bias, row counts around the tile's rows."""
+    lib = linear.tiles_library(portable)
+    call = linear._tiles_call(lib, n, k, torch.bfloat16)
+    g = torch.Generator().manual_seed(n + 5 * k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    panel = lib.pagoda_f32_tiles_panel()
+    packed = linear.pack_tiles(w, panel)
+    assert packed.shape == (-(-n // panel), -(-k // 2), panel, 2) and torch.equal(packed[0, :k // 2, 1, 1], w[1, 1::2])
+    assert not packed[-1, :, n - (len(packed) - 1) * panel:].any() and (k % 2 == 0 or not packed[:, -1, :, 1].any())
+    for bias in (None, torch.randn(n, generator=g).bfloat16()):
+        for m in (1, 5, 6, 7, 11, 12, 13, 25, 130):
+            x = torch.randn(m + 1, k, generator=g).bfloat16()
+            x[-1] = float("nan")  # a row past the m read: a NaN there would reach the sums
+            want = F.linear(x[:m].double(), w.double(), None if bias is None else bias.double())
+            got = call(x[:m], packed, bias)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+            torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
 
 
 def test_tiles_free_the_plain_float32_weights_but_shared_ones(monkeypatch: pytest.MonkeyPatch) -> None:
