@@ -41,6 +41,22 @@ def machine_info() -> dict[str, object]:
             "torch_threads": torch.get_num_threads()}
 
 
+def process_memory() -> dict[str, float]:
+    """This process's resident memory now and its peak so far, MiB (Linux's /proc/self/status VmRSS and VmHWM); {}
+    where that file is not there."""
+    fields = {"VmRSS": "rss_mib", "VmHWM": "peak_rss_mib"}
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in fields:
+                    out[fields[name]] = round(int(value.split()[0]) / 1024, 1)  # kB
+    except OSError:
+        return {}
+    return out
+
+
 def parse_range(value: str) -> tuple[int, int]:
     """'128:512' -> (128, 512); '256' -> (256, 256)."""
     try:

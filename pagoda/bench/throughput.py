@@ -18,7 +18,7 @@ import json
 import time
 from typing import Any
 
-from pagoda.bench.common import add_workload_flags, machine_info, percentiles, workload_spec
+from pagoda.bench.common import add_workload_flags, machine_info, percentiles, process_memory, workload_spec
 from pagoda.bench.datasets import make_workload
 from pagoda.sampling_params import SamplingParams
 
@@ -49,6 +49,7 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
     from pagoda.entrypoints.llm import LLM
 
     llm = LLM(**engine_options)
+    started = process_memory()  # weights, packed copies, the KV cache's pages touched so far
     tok = llm.get_tokenizer()
     # The id range every backend draws from (load_tokenizer's): ids past the tokenizer's vocabulary
     # (a padded embedding table) would mean nothing to llama.cpp.
@@ -78,6 +79,8 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
         "kv_cache_storage": llm.engine.limits.kv.spec.name,  # what `auto` resolved to (float16 under quantization)
         "startup_compile_s": llm.engine.compile_seconds,
         "keeps_freed_memory": llm.engine.keeps_freed_memory,
+        # resident MiB after start-up and at the end (the KV cache's pages written since), peak over the process
+        "memory": {"rss_after_start_mib": started.get("rss_mib"), **process_memory()},
         "engine_options": engine_options,  # the engine flags as given: which dtype, quantization, cache... ran
     })
     result.update(compute_floor(llm.engine.model, prompt_tokens, output_tokens, elapsed,
@@ -95,7 +98,8 @@ def matmul_peak(model: Any) -> dict[str, float]:
     """The matmul rate this machine reaches now in the model's dtype, FLOP/s by matmul: the best of 40 timed
     (1024 x hidden) @ (hidden x intermediate) matmuls, the largest linear layer of the model, by F.linear and
     (float32) by oneDNN's matmul on the plain weight and on its packed one, and by the engine's tile kernel
-    (layers/f32_tiles.cpp, which its float32 linears use), alternated call by call. Its dtype is the lm_head's (the
+    (layers/f32_tiles.cpp, which its float32 linears use, and its bfloat16 ones where the CPU has AVX-512 BF16),
+    alternated call by call. Its dtype is the lm_head's (the
     model's): with --quantization the layers multiply int8 instead, and the rate says what float32 matmuls allow."""
     import torch
 
@@ -108,15 +112,16 @@ def matmul_peak(model: Any) -> dict[str, float]:
         # rate on the Zen 4 machine (BENCHMARKS.md)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
         matmuls["onednn_packed"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    if w.dtype == torch.float32:
+    if w.dtype in (torch.float32, torch.bfloat16):
         from pagoda.layers.linear import _tiles_call, pack_tiles, tiles_library
 
         try:
             lib = tiles_library()
-        except Exception:  # no C++ compiler: the engine's float32 linears are not on it either (prepack_linears)
+        except Exception:  # no C++ compiler: the engine's linears are not on it either (prepack_linears)
             lib = None
-        if lib is not None:
-            tiles, tiles_call = pack_tiles(w, lib.pagoda_f32_tiles_panel()), _tiles_call(lib, w.shape[0], w.shape[1])
+        if lib is not None and (w.dtype == torch.float32 or lib.pagoda_bf16_tiles_native()):
+            tiles = pack_tiles(w, lib.pagoda_f32_tiles_panel())
+            tiles_call = _tiles_call(lib, w.shape[0], w.shape[1], w.dtype)
             matmuls["tiles"] = lambda: tiles_call(x, tiles, None)
     best = dict.fromkeys(matmuls, float("inf"))
     for _ in range(40):  # best of many: the peak, not a mean the noisy neighbours drag down; alternated
@@ -206,5 +211,9 @@ def report(result: dict[str, Any], as_json: bool) -> None:
     if "compute_floor_fraction" in result:
         print(f"  matmul work {result['achieved_gflops']:.1f} GFLOP/s = {100 * result['compute_floor_fraction']:.0f}% "
               f"of the {result['matmul_peak_gflops']:.1f} GFLOP/s a plain matmul reaches here")
+    memory = result.get("memory") or {}
+    if memory.get("rss_after_start_mib") is not None:
+        print(f"  resident memory {memory['rss_after_start_mib']:.0f} MiB after start-up, {memory['rss_mib']:.0f} MiB "
+              f"at the end, peak {memory['peak_rss_mib']:.0f} MiB")
     for name, v in result.get("profile", {}).items():
         print(f"  {name:<34} {v['ms_per_step']:9.2f} ms/step {100 * v['share']:6.1f}%")

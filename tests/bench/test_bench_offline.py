@@ -44,6 +44,8 @@ def test_hf_and_pagoda_backends_run_the_same_workload(model_dir: Path, capsys: p
     assert hf["prompt_tokens"] == pagoda["prompt_tokens"]  # the same prompts, token for token
     assert 12 <= hf["prompt_tokens"] <= 27
     assert pagoda["machine"]["torch"] == torch.__version__ and pagoda["machine"]["cpu_count"] >= 1
+    memory = pagoda["memory"]  # this process's (Linux): the model's weights at least, the peak above the rest
+    assert 0 < memory["rss_after_start_mib"] <= memory["peak_rss_mib"] and memory["rss_mib"] <= memory["peak_rss_mib"]
 
 
 @pytest.mark.parametrize("quantization", ["none", "q4_1", "q8_0"])
