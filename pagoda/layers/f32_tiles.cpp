@@ -1,5 +1,5 @@
-// Float32 linears on weights packed in panels, every step of a float32 layer that has them (prepack_linears, the
-// default): y (M, N) = x (M, K) @ w^T (+ bias), w packed as (ceil(N / P), K, P), P = 2 * L columns a panel (32
+// Float32 (and, below, bfloat16) linears on weights packed in panels, every step of a layer that has them
+// (prepack_linears, the default): y (M, N) = x (M, K) @ w^T (+ bias), w packed as (ceil(N / P), K, P), P = 2 * L columns a panel (32
 // under AVX-512, 16 under AVX2), zeros past N in the last one (pagoda/layers/linear.py's pack_tiles). Each tile is
 // MR rows x P columns of float32 sums kept in 2 * MR registers; each k loads the panel's two vectors once and
 // multiplies-adds them with each row's x[k] broadcast. Each thread takes a contiguous share of the panels, streams
@@ -120,8 +120,9 @@ extern "C" int64_t pagoda_f32_tiles_panel() { return P; }
 #define PAGODA_ROW_BLOCK_BYTES (256 << 10)
 #endif
 
-// Each thread a contiguous share of the panels (panel_elems elements apart in wp), a block of rows (block_bytes of
-// x) past each in turn; full(x, panel, bias, y, cols) a tile of MR rows, part(..., rows) one of fewer.
+// Each thread a contiguous share of the panels (panel_elems elements apart in wp), a block of rows (about
+// PAGODA_ROW_BLOCK_BYTES of x) past each in turn; full(x, panel, bias, y, cols) a tile of MR rows, part(..., rows)
+// one of fewer. Both kernels below run on it.
 template <typename E, typename Full, typename Part>
 static void run_tiles(const E* x, const E* wp, const E* bias, E* y, int64_t M, int64_t N, int64_t K,
                       int64_t panel_elems, Full full, Part part) {
@@ -160,10 +161,14 @@ extern "C" void pagoda_f32_tiles_linear(const float* x, const float* wp, const f
 
 // ---- bfloat16 ----
 // The same tiles over bfloat16 weights packed in pairs of k: (ceil(N / P), ceil(K / 2), P, 2), each column's w[k]
-// and w[k + 1] side by side (zeros past N and past K; pack_tiles with pairs=True), x and y bfloat16, sums float32,
-// rounded to bfloat16 (nearest even) once, after the bias, as oneDNN rounds. With AVX-512 BF16 one `vdpbf16ps` adds
-// both products of a pair to 16 columns' sums (two multiply-adds an instruction, at the rate of one); elsewhere each
-// pair is widened to two float32 vectors for two multiply-adds.
+// and w[k + 1] side by side (zeros past N and past K; linear.py's pack_tiles for a bfloat16 weight), x and y
+// bfloat16, sums float32, rounded to bfloat16 (nearest even) once, after the bias, as oneDNN rounds. With AVX-512
+// BF16 one `vdpbf16ps` adds both products of a pair to 16 columns' sums (two multiply-adds an instruction, at the
+// rate of one); elsewhere each pair is widened to two float32 vectors for two multiply-adds. On the Zen 4 machine,
+// 443-456 GFLOP/s at 2,048 rows (~97% of `vdpbf16ps`'s rate; 1.02-1.04x oneDNN's packed weight), and 1.02-1.47x
+// the best of the GEMV and oneDNN on a decode step's linears at 1-256 rows (BENCHMARKS.md, "The tiles replace the
+// plain weights; bfloat16 linears on the tiles"). A first version tested in its k loop, for every row, whether the
+// pair was K's odd last one: 0.90-0.94x oneDNN at 2,048 rows; that pair is now taken after the loop.
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
 #define PAGODA_BF16_NATIVE 1
@@ -184,10 +189,11 @@ static inline uint32_t load_pair(const uint16_t* p) {
 template <int R>
 static inline void tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, const uint16_t* bias, uint16_t* y,
                              int64_t N, int64_t cols) {
+  // step(w, x_pair): one pair of k, x_pair(row) giving a row's (x[k], x[k + 1]) as 32 bits; with K odd the last is
+  // (x[K - 1], 0), so that the row's next element is not read (a NaN there would reach the sums)
 #if PAGODA_BF16_NATIVE
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  // pairs (x[k], x[k + 1]); with K odd the last is (x[K - 1], 0): the row's next element is not read
   const auto step = [&](const uint16_t* w, auto x_pair) {
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w), b1 = (__m512bh)_mm512_loadu_si512(w + 2 * L);
     for (int r = 0; r < R; ++r) {
@@ -254,7 +260,7 @@ static void tail_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, const
   }
 }
 
-// x (M, K), wp: w (N, K) packed by pack_tiles(pairs=True), bias (N) or null, y (M, N); all bfloat16 (as uint16),
+// x (M, K), wp: w (N, K) packed by pack_tiles, bias (N) or null, y (M, N); all bfloat16 (as uint16),
 // contiguous; M >= 0. The GEMV's signature, as the float32 kernel's.
 extern "C" void pagoda_bf16_tiles_linear(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
                                          int64_t M, int64_t N, int64_t K) {
