@@ -203,13 +203,15 @@ def should_prepack(model: nn.Module, dtype: torch.dtype, asked: bool | None, com
     packing adds only the shared weights' copies (prepack_linears frees the others): the tied lm_head's."""
     if asked is not None:
         return asked
-    if compile_model or packable_rows(dtype) is None:  # None also for dtypes without PACKED_ROWS (float64)
+    if compile_model or dtype not in TILE_DTYPES:  # float64 neither
         return False
     layers = [m for m in model.modules() if _packable(m)]
     lib, shared = _tiles_library_or_none(layers), _shared_weights(model)
-    copy = sum(m.weight.numel() * m.weight.element_size() for m in layers
-               if not _tiles_fit(m, lib) or id(m.weight) in shared)
-    return bool(layers) and copy <= PREPACK_AUTO_MAX_BYTES
+    tiled = [m for m in layers if _tiles_fit(m, lib)]
+    onednn = [m for m in layers if not _tiles_fit(m, lib) and packable_rows(m.weight.dtype) is not None]
+    copies = onednn + [m for m in tiled if id(m.weight) in shared]
+    copy = sum(m.weight.numel() * m.weight.element_size() for m in copies)
+    return bool(tiled or onednn) and copy <= PREPACK_AUTO_MAX_BYTES
 
 
 _TILES_SOURCE = Path(__file__).with_name("f32_tiles.cpp")
@@ -222,7 +224,7 @@ def tiles_library(portable: bool = False) -> Any:
     for fn in (lib.pagoda_f32_tiles_linear, lib.pagoda_bf16_tiles_linear):
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         fn.restype = None
-    lib.pagoda_f32_tiles_panel.restype = lib.pagoda_bf16_tiles_native.restype = ctypes.c_int64
+    lib.pagoda_f32_tiles_panel.restype = ctypes.c_int64
     return lib
 
 
@@ -268,15 +270,14 @@ def _tiles_call(lib: Any, out_features: int, in_features: int, dtype: torch.dtyp
 def _packable(module: nn.Module) -> TypeGuard[nn.Linear]:
     """A float32 or bfloat16 linear that neither --quantization nor an earlier prepack_linears took."""
     return (isinstance(module, nn.Linear) and not is_quantized(module) and not is_packed(module)
-            and packable_rows(module.weight.dtype) is not None)
+            and module.weight.dtype in TILE_DTYPES)
 
 
 def _tiles_fit(layer: nn.Linear, lib: Any) -> bool:
-    """Whether lib's tile kernels (None: not built) take the layer: a float32 weight, or a bfloat16 one where they
-    run on `vdpbf16ps` (pagoda_bf16_tiles_native: the build that was measured), and a bias of its dtype if any."""
+    """Whether lib's tile kernels (None: not built) take the layer: a weight of TILE_DTYPES and a bias of its dtype if
+    any."""
     w, bias = layer.weight, layer.bias
-    return (lib is not None and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16
-                                                                and lib.pagoda_bf16_tiles_native()))
+    return (lib is not None and w.dtype in TILE_DTYPES
             and (bias is None or (bias.dtype == w.dtype and bias.is_contiguous())))
 
 
@@ -311,8 +312,11 @@ def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = Fal
     lib = _tiles_library_or_none(layers) if tiles else None
     shared = _shared_weights(model)
     for module in layers:
-        _install(module)
         w = module.weight.detach()
+        onednn_rows = packable_rows(w.dtype)
+        if not (lib is not None and _tiles_fit(module, lib)) and onednn_rows is None:
+            continue  # neither kernel takes it here
+        _install(module)
         if lib is not None and _tiles_fit(module, lib):
             packed = module._pagoda_tiles = pack_tiles(w, lib.pagoda_f32_tiles_panel())  # type: ignore[assignment]
             module._pagoda_tiles_call = _tiles_call(  # type: ignore[assignment]
@@ -323,6 +327,6 @@ def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = Fal
                 module.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
         else:
             packed = module._pagoda_packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)  # type: ignore[assignment]
-            used = packable_rows(w.dtype)
+            used = onednn_rows
         added += packed.numel() * packed.element_size()
     return added, used

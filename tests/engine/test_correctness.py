@@ -15,14 +15,11 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.layers.linear import packable_rows, tiles_library
 from pagoda.model.llama import ArchConfig
 from tests.conftest import check_greedy_against_reference, hf_greedy
 
 PROMPT_LENS = [1, 5, 17, 33, 64, 130, 300, 600]
 MAX_NEW = 12
-BF16_PACKABLE = packable_rows(torch.bfloat16) is not None
-BF16_TILES = BF16_PACKABLE and bool(tiles_library().pagoda_bf16_tiles_native())  # AVX-512 BF16
 
 
 def prompts() -> list[list[int]]:
@@ -98,11 +95,9 @@ def test_all_together_with_preemption(tiny_model: tuple[str, Path], reference: l
 
 def test_prepack_weights_by_default_for_small_float32_and_bfloat16_models(tiny_model: tuple[str, Path],
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """prepack_weights left to the engine: float32 and bfloat16 models are packed (bfloat16 where oneDNN packs
-    bfloat16 on this CPU), float64 and q4_1 ones not, nor a model whose packing would add more than
-    PREPACK_AUTO_MAX_BYTES: on the tiles (float32, and bfloat16 with AVX-512 BF16) only a tied lm_head's copy, the
-    other plain weights being freed (an untied model adds nothing), on oneDNN's packing a copy of every weight;
-    asking decides either way."""
+    """prepack_weights left to the engine: float32 and bfloat16 models are packed (on the tiles), float64 and q4_1
+    ones not, nor a model whose packing would add more than PREPACK_AUTO_MAX_BYTES: on the tiles only a tied
+    lm_head's copy, the other plain weights being freed (an untied model adds nothing); asking decides either way."""
     from torch import nn
 
     import pagoda.layers.linear as linear
@@ -112,24 +107,21 @@ def test_prepack_weights_by_default_for_small_float32_and_bfloat16_models(tiny_m
         model = LLM(str(tiny_model[1]), **kwargs).engine.model
         return any(linear.is_packed(m) for m in model.modules() if isinstance(m, nn.Linear))
 
-    # BF16_PACKABLE is False on AVX2 CPUs: nothing packed, no error
-    assert packed(dtype="bfloat16") == BF16_PACKABLE and packed(dtype="float32") and not packed(dtype="float64")
+    assert packed(dtype="bfloat16") and packed(dtype="float32") and not packed(dtype="float64")
     q4_model = LLM(str(tiny_model[1]), dtype="float32", quantization="q4_1").engine.model
     quantized = [m for m in q4_model.modules() if isinstance(m, nn.Linear) and is_quantized(m)]
     assert quantized and not any(linear.is_packed(m) for m in quantized)  # only float layers get a packed copy
     assert not packed(dtype="float32", prepack_weights=False) and not packed(dtype="bfloat16", prepack_weights=False)
     monkeypatch.setattr(linear, "PREPACK_AUTO_MAX_BYTES", 1024)
     tied = tiny_model[0] == "qwen2"  # the tiny qwen2 ties its lm_head to the embedding
-    assert packed(dtype="bfloat16") == (BF16_TILES and not tied)
-    assert packed(dtype="bfloat16", prepack_weights=True) == BF16_PACKABLE
-    assert packed(dtype="float32") != tied and packed(dtype="float32", prepack_weights=True)
+    for dtype in ("bfloat16", "float32"):
+        assert packed(dtype=dtype) != tied and packed(dtype=dtype, prepack_weights=True)
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
-    not BF16_PACKABLE, reason="oneDNN does not pack bfloat16 weights on this CPU (AVX-512 BW/VL/DQ needed)"))])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prepacked_weights_match_plain(tiny_model: tuple[str, Path], dtype: str) -> None:
-    """--prepack-weights: packed linears (float32's tiles at every step, oneDNN's 1-1024-token steps in bfloat16) give
-    the plain engine's greedy tokens, and logprobs equal up to float rounding."""
+    """--prepack-weights: packed linears (the tiles at every step) give the plain engine's greedy tokens, and
+    logprobs equal up to float rounding."""
     from torch import nn
 
     from pagoda.layers.linear import is_packed

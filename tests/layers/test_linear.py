@@ -47,65 +47,65 @@ def test_float32_gemv_matches_float64_linear(portable: bool, n: int, k: int) -> 
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("bf16_tiles", [True, False])
-def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch, bf16_tiles: bool) -> None:
-    """enable_gemv: bfloat16 and float32 linears take the GEMV for 1-GEMV_MAX_ROWS rows; after prepack_linears
-    float32 ones take their tiles at every row count, and so do bfloat16 ones where the tiles run on `vdpbf16ps`
-    (pagoda_bf16_tiles_native); elsewhere bfloat16 ones keep the GEMV, oneDNN's packed weight for the rest of
-    PACKED_ROWS and F.linear beyond; float64 ones are left alone."""
-    if bf16_tiles and not linear.tiles_library().pagoda_bf16_tiles_native():
-        pytest.skip("this CPU has no AVX-512 BF16: bfloat16 linears do not take the tiles")
-    if not bf16_tiles:
-        monkeypatch.setattr(linear.tiles_library(), "pagoda_bf16_tiles_native", lambda: 0)
+@pytest.mark.parametrize("tiles", [True, False])
+def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch, tiles: bool) -> None:
+    """enable_gemv: bfloat16 and float32 linears take the GEMV for 1-GEMV_MAX_ROWS rows; after prepack_linears both
+    take their tiles at every row count, before the GEMV. Without the tile kernels (tiles=False, as where they cannot
+    be built) they keep the GEMV and take oneDNN's packed weight beyond it (bfloat16 where oneDNN packs it, within
+    PACKED_ROWS); float64 ones are left alone."""
     packed_calls: list[int] = []
     pointwise = torch.ops.mkldnn._linear_pointwise  # looked up when a layer's forward is built: patch first
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                         lambda x, *a: packed_calls.append(x.shape[0]) or pointwise(x, *a), raising=False)
     model = nn.Sequential(nn.Linear(64, 32).bfloat16(), nn.Linear(32, 16), nn.Linear(16, 8).double())
-    bf16, f32, f64 = model[0], model[1], model[2]
-    assert linear.enable_gemv(model) >= 0 and bf16._pagoda_gemv is not None and f32._pagoda_gemv is not None
-    assert "forward" not in vars(f64)
-    calls: list[int] = []
-    gemv = bf16._pagoda_gemv
-    bf16._pagoda_gemv = lambda x, w, b: calls.append(x.shape[0]) or gemv(x, w, b)
-    f32_weight, bf16_weight = f32.weight.detach().clone(), bf16.weight.detach().clone()
-    linear.prepack_linears(model)
-    bf16_packable = linear.packable_rows(torch.bfloat16) is not None  # not on AVX2 CPUs
-    assert linear.is_packed(bf16) == bf16_packable and linear.is_packed(f32)
-    assert (linear.tiles_of(bf16) is not None) == bf16_tiles and (bf16.weight.numel() == 0) == bf16_tiles
+    f64 = model[2]
+    assert linear.enable_gemv(model) >= 0 and "forward" not in vars(f64)
+    cases = []
+    for layer, k, dtype in ((model[0], 64, torch.bfloat16), (model[1], 32, torch.float32)):
+        assert layer._pagoda_gemv is not None
+        gemv_calls: list[int] = []
+        gemv = layer._pagoda_gemv
+        layer._pagoda_gemv = lambda x, w, b, gemv=gemv, calls=gemv_calls: calls.append(x.shape[0]) or gemv(x, w, b)
+        cases.append((layer, k, dtype, layer.weight.detach().clone(), gemv_calls))
+    linear.prepack_linears(model, tiles=tiles)
     top = linear.GEMV_MAX_ROWS
-    for rows in (1, top, top + 1, 2000):
-        x = torch.randn(rows, 64).bfloat16()
-        torch.testing.assert_close(bf16(x).float(), F.linear(x, bf16_weight, bf16.bias).float(), rtol=2**-7, atol=1e-2)
-    if bf16_tiles:
-        assert calls == [] and packed_calls == []
-    else:
-        assert calls == [1, top] and packed_calls == ([top + 1] if bf16_packable else [])
-    assert linear.tiles_of(f32) is not None
-    f32_calls: list[int] = []
-    tile_calls: list[int] = []
-    f32_gemv, f32_tiles = f32._pagoda_gemv, f32._pagoda_tiles_call
-    f32._pagoda_gemv = lambda x, w, b: f32_calls.append(x.shape[0]) or f32_gemv(x, w, b)
-    f32._pagoda_tiles_call = lambda x, w, b: tile_calls.append(x.shape[0]) or f32_tiles(x, w, b)
-    for rows in (1, top, top + 1, 2000):
-        x = torch.randn(rows, 32)
-        torch.testing.assert_close(f32(x), F.linear(x, f32_weight, f32.bias), rtol=1e-5, atol=1e-5)
-    assert f32_calls == [] and tile_calls == [1, top, top + 1, 2000]  # the tiles before the GEMV
-    assert packed_calls == ([top + 1] if bf16_packable and not bf16_tiles else [])  # no float32 step went to oneDNN
+    bf16_packable = linear.packable_rows(torch.bfloat16) is not None  # not on AVX2 CPUs
+    for layer, k, dtype, weight, gemv_calls in cases:
+        assert (linear.tiles_of(layer) is not None) == tiles and (layer.weight.numel() == 0) == tiles
+        tile_calls: list[int] = []
+        if tiles:
+            call, calls = layer._pagoda_tiles_call, tile_calls
+            layer._pagoda_tiles_call = lambda x, w, b, call=call, calls=calls: calls.append(x.shape[0]) or call(x, w, b)
+        packed_calls.clear()
+        for rows in (1, top, top + 1, 2000):
+            x = torch.randn(rows, k, dtype=dtype)
+            tol = {"rtol": 2**-7, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+            torch.testing.assert_close(layer(x).float(), F.linear(x, weight, layer.bias).float(), **tol)
+        if tiles:
+            assert tile_calls == [1, top, top + 1, 2000] and gemv_calls == [] and packed_calls == []
+        else:
+            onednn = dtype == torch.float32 or bf16_packable
+            beyond = [top + 1, 2000] if dtype == torch.float32 else [top + 1]  # bfloat16: F.linear past 1,024 rows
+            assert gemv_calls == [1, top] and packed_calls == (beyond if onednn else [])
+            assert linear.is_packed(layer) == onednn
 
 
-def test_bfloat16_not_packed_where_onednn_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where oneDNN has no bfloat16 on the CPU (AVX2 ones), bfloat16 linears are left unpacked, by default
-    and when asked, while float32 ones still pack: its reorder would raise there."""
+def test_bfloat16_on_tiles_where_onednn_cannot_pack_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN has no bfloat16 on the CPU (AVX2 ones), bfloat16 linears still take the tiles, by default and
+    when asked; without the tile kernels they are left unpacked (oneDNN's reorder would raise there) while float32
+    ones pack for oneDNN."""
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
     model = nn.Sequential(nn.Linear(64, 32).bfloat16(), nn.Linear(32, 16))
     assert linear.packable_rows(torch.bfloat16) is None and linear.packable_rows(torch.float32) is not None
-    assert not linear.should_prepack(model, torch.bfloat16, None, compile_model=False)
+    assert linear.should_prepack(model, torch.bfloat16, None, compile_model=False)
     added, rows = linear.prepack_linears(model)
-    assert not linear.is_packed(model[0]) and linear.is_packed(model[1])
-    packed = linear.tiles_of(model[1])
-    # the tiles (16 outputs in a whole panel) less the plain float32 weight they replace
-    assert packed is not None and added == (packed.numel() - 16 * 32) * 4 and rows == linear.TILE_ROWS
+    tiles = [linear.tiles_of(m) for m in model]
+    # the tiles (32 and 16 outputs in whole panels) less the plain weights they replace
+    assert tiles[0] is not None and tiles[1] is not None and rows == linear.TILE_ROWS
+    assert added == tiles[0].numel() * 2 + tiles[1].numel() * 4 - 32 * 64 * 2 - 16 * 32 * 4
+    plain = nn.Sequential(nn.Linear(64, 32).bfloat16(), nn.Linear(32, 16))
+    linear.prepack_linears(plain, tiles=False)
+    assert not linear.is_packed(plain[0]) and linear.is_packed(plain[1]) and linear.tiles_of(plain[1]) is None
 
 
 @pytest.mark.parametrize("portable", [False, True])
