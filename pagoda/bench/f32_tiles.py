@@ -6,7 +6,8 @@ cannot be built), at the default model's shapes (q/k/v, o, gate/up, down, the lm
 on the plain weight (what bfloat16 steps of over 1,024 rows ran) and, at 1-4 rows, the GEMV (gemv.cpp, what they
 ran at those rows). The sides alternate call by call; medians over --iters calls. The tiles' output is checked
 against F.linear in float32 on the same values (max_abs_diff: sums in another order, and in bfloat16 the rounding
-of the output). BENCHMARKS.md, "Float32 linears on tiles of our own".
+of the output). BENCHMARKS.md, "Float32 linears on tiles of our own" and "The tiles replace the plain weights;
+bfloat16 linears on the tiles".
 
     python -m pagoda.bench.f32_tiles --rows 16,128,2048
     python -m pagoda.bench.f32_tiles --step --rows 128     # one decode step's matmuls: 30 layers, each its own weight

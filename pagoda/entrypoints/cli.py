@@ -48,10 +48,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "sampler's plain rows and bfloat16 linears of 1-4-row steps as torch / oneDNN ops instead "
                         "of our C++ loops (compiled at start-up)")
     g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="pack each linear weight once: float32, and bfloat16 where the CPU has AVX-512 BF16, in "
-                        "panels for our tile kernels, which take every step and replace the plain weight (freed, "
-                        "unless the embedding shares it: a tied lm_head keeps both); other bfloat16 weights for "
-                        "oneDNN, for steps of 1-1024 tokens (1.1-1.7x faster matmuls there), next to the plain "
+                   help="pack each float32 and bfloat16 linear weight once, in panels for our tile kernels, which "
+                        "take every step and replace the plain weight (freed, unless the embedding shares it: a tied "
+                        "lm_head keeps both); where the kernels cannot be built, for oneDNN, next to the plain "
                         "weight. Default: on for float32 and bfloat16 models whose packing adds at most 1 GiB, off "
                         "otherwise")
     g.add_argument("--quantization", default="none", choices=QUANTIZATIONS,

@@ -10,17 +10,20 @@ call (pagoda/model/one_stream.py). The float32 128-request workload ran 1.023-1.
 (`bench.alternate`, Zen 4; BENCHMARKS.md, "Float32 linears on tiles of our own"). Where the kernel cannot be built
 (logged), float32 weights are packed for oneDNN as bfloat16 ones are.
 
-bfloat16 on a CPU with AVX-512 BF16: the same tiles over weights packed in pairs of k, one `vdpbf16ps` for both
-products of a pair (`pagoda_bf16_tiles_linear`), every step, one stream's included. On the Zen 4 machine (`python
+bfloat16: the same tiles over weights packed in pairs of k, one `vdpbf16ps` for both products of a pair where the
+CPU has AVX-512 BF16, two float32 multiply-adds elsewhere (`pagoda_bf16_tiles_linear`), every step, one stream's
+included. On the Zen 4 machine (`python
 -m pagoda.bench.f32_tiles --dtype bfloat16`; BENCHMARKS.md, "The tiles replace the plain weights; bfloat16 linears
 on the tiles"): a decode step's linears 1.02x the GEMV at 1 row, 1.16-1.47x the best of the GEMV and oneDNN at
 4-256 rows, the decoder's shapes 1.02-1.04x oneDNN's packed weight at 2,048 rows (443-456 GFLOP/s, ~97% of
-`vdpbf16ps`'s rate there); the bfloat16 128-request workload 1.10-1.15x faster end to end.
-Elsewhere (no AVX-512 BF16: the tiles' widening path was not measured against oneDNN's), oneDNN on its weights
-reordered once into its blocked layout, against F.linear on the plain weight (`python -m
-pagoda.bench.linear_stream --dtype bfloat16`, one step's matmuls, BENCHMARKS.md): 1.08-1.73x at 1-1,024 rows, but
-0.61x at 2,048 (a full prompt-chunk step, Xeon); so the packed weight serves PACKED_ROWS[dtype], the plain one the
-rest. (Float32 on oneDNN's packing, for the fallback: 1.30-1.56x F.linear at 4-32 rows, 0.90x at 1-2.)
+`vdpbf16ps`'s rate there); the bfloat16 128-request workload 1.10-1.15x faster end to end. The widening path
+(built for AVX2 and for AVX-512 without BF16, timed on the Zen 4 machine against F.linear with oneDNN limited to
+those ISAs, f32_tiles.cpp has the figures): 1.7-4.0x at 4-2,048 rows, faster than the GEMV at 1 row. Where the
+kernels cannot be built, oneDNN on its weights reordered once into its blocked layout (where oneDNN packs bfloat16:
+AVX-512), against F.linear on the plain weight (`python -m pagoda.bench.linear_stream --dtype bfloat16`, one step's
+matmuls, BENCHMARKS.md): 1.08-1.73x at 1-1,024 rows, but 0.61x at 2,048 (a full prompt-chunk step, Xeon); so the
+packed weight serves PACKED_ROWS[dtype], the plain one the rest. (Float32 on oneDNN's packing, for the fallback:
+1.30-1.56x F.linear at 4-32 rows, 0.90x at 1-2.)
 
 Memory: a layer's tiles replace its plain weight, which is freed (an empty tensor stays, for code that looks at
 dtypes, as with --quantization), unless another module shares it: the tied lm_head keeps the rows the embedding

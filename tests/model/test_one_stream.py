@@ -286,9 +286,8 @@ def test_quantized_decode_steps_of_many_rows(tiny_model: tuple[str, Path], quant
                                                        ("bfloat16", "auto")])
 def test_decode_steps_on_tiles(tiny_model: tuple[str, Path], dtype: str, kv_cache_dtype: str) -> None:
     """A float32 or bfloat16 model with packed weights (the default) runs its linears on f32_tiles.cpp's kernels at
-    every row count, and so its decode steps of any number of sequences go
-    through the one call, lm_head included (the tiny vocabulary of 300 ends in a part panel), with the eager
-    forward's tokens and logprobs, exactly."""
+    every row count, and so its decode steps of any number of sequences go through the one call, lm_head included
+    (the tiny vocabulary of 300 ends in a part panel), with the eager forward's tokens and logprobs, exactly."""
     from pagoda.layers.linear import tiles_of
 
     arch, folder = tiny_model
