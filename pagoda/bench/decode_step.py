@@ -108,8 +108,8 @@ def main() -> None:
 
 VERSUS = {
     "weights-read": "reading a buffer as large as the linear weights, the bandwidth floor of a decode step",
-    "packed-weights": "the same steps on packed linear weights (--prepack-weights: float32's tiles, bfloat16's "
-                      "oneDNN packing) against plain ones; leave that flag out",
+    "packed-weights": "the same steps on packed linear weights (--prepack-weights: the tiles, or oneDNN's packing "
+                      "where they cannot be built) against plain ones; leave that flag out",
     "opaque-attention": "with --compile-model, the same steps without the one-stream graph (attention as the "
                         "opaque op)",
     "eager-one-stream": "decode steps in one C++ call (pagoda/model/one_stream.py: one stream's; up to 4 "

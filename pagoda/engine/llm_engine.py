@@ -53,7 +53,7 @@ class EngineStats:
 
 
 def move_weights_to_huge_pages(model: nn.Module) -> int:
-    """Copy the model's parameters, packed weights (--quantization) and float32 tiles (prepack_linears) into one
+    """Copy the model's parameters, packed weights (--quantization) and tiles (prepack_linears) into one
     huge-page region (host_memory.move_to_huge_pages: a decode step streams through all of them), free the old
     copies, and return the bytes moved. Call before anything keeps a weight's address (the fused and one-call
     paths). The tiles on 4 KiB pages had made one float32 stream's step 1.45x slower than the GEMV's on huge pages
@@ -98,7 +98,7 @@ class LLMEngine:
             self.compile_seconds += seconds
             logger.info("quantization %s: %d linear layers, %.1f MiB of packed weights", mc.quantization, count,
                         nbytes / 2**20)
-        # before the huge pages, which take the float32 tiles too
+        # before the huge pages, which take the tiles too
         if should_prepack(self.model, mc.torch_dtype, mc.prepack_weights, mc.compile_model):
             added, rows = prepack_linears(self.model)
             if rows is not None:

@@ -304,23 +304,23 @@ def _tiles_library_or_none(layers: list[nn.Linear]) -> Any:
 def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = False) -> tuple[int, range | None]:
     """Gives every float32 or bfloat16 nn.Linear of the model a packed copy of its weight; returns the bytes this
     adds to the model's memory (the packed copies less the plain weights freed) and the rows the packed weights
-    serve ((0, None) if no layer has a dtype that can be packed here, packable_rows). Float32 weights, and bfloat16
-    ones where the tiles run on `vdpbf16ps` (_tiles_fit), are packed in panels for f32_tiles.cpp's kernels, which
-    then take every step (TILE_ROWS), and their plain weights are freed (an empty tensor of their dtype stays)
-    unless another module shares them (the tied lm_head's, the embedding's) or keep_plain (for benchmarks that time
-    both sides). Other bfloat16 weights, and all where the kernels cannot be built (logged) or with tiles=False, are
-    packed for oneDNN, for PACKED_ROWS[dtype], next to the plain weight."""
+    serve ((0, None) if none was packed). The weights are packed in panels for f32_tiles.cpp's kernels, which then
+    take every step (TILE_ROWS), and their plain weights are freed (an empty tensor of their dtype stays) unless
+    another module shares them (the tied lm_head's, the embedding's) or keep_plain (for benchmarks that time both
+    sides). Where the kernels cannot be built (logged), or with tiles=False, they are packed for oneDNN where it
+    packs their dtype on this CPU (packable_rows: for PACKED_ROWS[dtype]), next to the plain weight, else left
+    alone."""
     added, used = 0, None
     layers = [m for m in model.modules() if _packable(m)]
-    lib = _tiles_library_or_none(layers) if tiles else None
+    lib: Any = _tiles_library_or_none(layers) if tiles else None
     shared = _shared_weights(model)
     for module in layers:
         w = module.weight.detach()
-        onednn_rows = packable_rows(w.dtype)
-        if not (lib is not None and _tiles_fit(module, lib)) and onednn_rows is None:
+        on_tiles, onednn_rows = _tiles_fit(module, lib), packable_rows(w.dtype)
+        if not on_tiles and onednn_rows is None:
             continue  # neither kernel takes it here
         _install(module)
-        if lib is not None and _tiles_fit(module, lib):
+        if on_tiles:
             packed = module._pagoda_tiles = pack_tiles(w, lib.pagoda_f32_tiles_panel())  # type: ignore[assignment]
             module._pagoda_tiles_call = _tiles_call(  # type: ignore[assignment]
                 lib, module.out_features, module.in_features, w.dtype)
