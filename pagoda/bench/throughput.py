@@ -98,7 +98,7 @@ def matmul_peak(model: Any) -> dict[str, float]:
     """The matmul rate this machine reaches now in the model's dtype, FLOP/s by matmul: the best of 40 timed
     (1024 x hidden) @ (hidden x intermediate) matmuls, the largest linear layer of the model, by F.linear and
     (float32) by oneDNN's matmul on the plain weight and on its packed one, and by the engine's tile kernel
-    (layers/f32_tiles.cpp, which its float32 and bfloat16 linears use),
+    (layers/f32_tiles.cpp, which its float32 linears use, and its bfloat16 ones where the build has AVX-512),
     alternated call by call. Its dtype is the lm_head's (the
     model's): with --quantization the layers multiply int8 instead, and the rate says what float32 matmuls allow."""
     import torch
@@ -119,7 +119,7 @@ def matmul_peak(model: Any) -> dict[str, float]:
             lib = tiles_library()
         except Exception:  # no C++ compiler: the engine's linears are not on it either (prepack_linears)
             lib = None
-        if lib is not None:
+        if lib is not None and (w.dtype == torch.float32 or lib.pagoda_bf16_tiles_enabled()):
             tiles = pack_tiles(w, lib.pagoda_f32_tiles_panel())
             tiles_call = _tiles_call(lib, w.shape[0], w.shape[1], w.dtype)
             matmuls["tiles"] = lambda: tiles_call(x, tiles, None)

@@ -48,11 +48,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "sampler's plain rows and bfloat16 linears of 1-4-row steps as torch / oneDNN ops instead "
                         "of our C++ loops (compiled at start-up)")
     g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="pack each float32 and bfloat16 linear weight once, in panels for our tile kernels, which "
-                        "take every step and replace the plain weight (freed, unless the embedding shares it: a tied "
-                        "lm_head keeps both); where the kernels cannot be built, for oneDNN, next to the plain "
-                        "weight. Default: on for float32 and bfloat16 models whose packing adds at most 1 GiB, off "
-                        "otherwise")
+                   help="pack each float32 linear weight (and bfloat16 one, on AVX-512 CPUs) once, in panels for our "
+                        "tile kernels, which take every step and replace the plain weight (freed, unless the "
+                        "embedding shares it: a tied lm_head keeps both); other bfloat16 weights, and all where the "
+                        "kernels cannot be built, for oneDNN where it packs them, next to the plain weight. Default: "
+                        "on for float32 and bfloat16 models whose packing adds at most 1 GiB, off otherwise")
     g.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                    help="q4_1: the decoder's linear layers run 4-bit weights (Q4_1 blocks of 32: the default "
                         "model's own) and the lm_head 8-bit ones (Q8_0) against activations rounded to int8 per "

@@ -169,17 +169,29 @@ extern "C" void pagoda_f32_tiles_linear(const float* x, const float* wp, const f
 // the best of the GEMV and oneDNN on a decode step's linears at 1-256 rows (BENCHMARKS.md, "The tiles replace the
 // plain weights; bfloat16 linears on the tiles"). A first version tested in its k loop, for every row, whether the
 // pair was K's odd last one: 0.90-0.94x oneDNN at 2,048 rows; that pair is now taken after the loop. The widening
-// path, built for Haswell (AVX2: 6 x 16 tiles) and for Skylake (AVX-512 without BF16) and timed on the Zen 4 machine
-// against F.linear with oneDNN limited to those ISAs (`ONEDNN_MAX_CPU_ISA`, ad hoc), on the decoder's shapes:
-// 3.0-4.0x (AVX2) and 1.7-3.6x (AVX-512) at 4-2,048 rows, 2.1-2.3x and 1.8-3.1x at 1; the GEMV built for the same
-// ISA 1.3-2.1x slower at 1 row, 0.9-1.2x at 4 (the lm_head: 0.85-0.95x the GEMV at 1 row, 2.1-2.2x at 4). Not timed
-// on those CPUs themselves.
+// path in an AVX-512 build without BF16, timed on the Zen 4 machine against F.linear with oneDNN limited to AVX2 and
+// to AVX512_CORE (`ONEDNN_MAX_CPU_ISA`, ad hoc), on the decoder's shapes: 3.0-4.0x and 1.7-3.6x at 4-2,048 rows,
+// 2.1-2.3x and 1.8-3.1x at 1; the GEMV of the same build 1.3-2.1x slower at 1 row, 0.9-1.2x at 4 (the lm_head:
+// 0.85-0.95x the GEMV at 1 row, 2.1-2.2x at 4). Not timed on such a CPU itself.
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
 #define PAGODA_BF16_NATIVE 1
 #else
 #define PAGODA_BF16_NATIVE 0
 #endif
+
+// Whether linear.py gives bfloat16 layers these tiles: builds with 512-bit vectors, where they were measured faster
+// than the GEMV and oneDNN (above). Not AVX2 builds: there (built for Haswell with g++ -march=haswell, timed on the
+// Zen 4 machine, ad hoc) they ran 0.4-0.55x F.linear and ~0.6x the GEMV at 1 row, 0.63-0.7x the GEMV at 4, and only
+// 1.2-1.6x F.linear at 16-2,048 rows (~58 GFLOP/s at 2,048: 6 x 16 tiles, x widened row by row), so bfloat16 keeps
+// the GEMV and oneDNN or F.linear there.
+extern "C" int64_t pagoda_bf16_tiles_enabled() {
+#if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 static inline uint32_t load_pair(const uint16_t* p) {
   uint32_t u;

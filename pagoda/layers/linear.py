@@ -10,24 +10,24 @@ call (pagoda/model/one_stream.py). The float32 128-request workload ran 1.023-1.
 (`bench.alternate`, Zen 4; BENCHMARKS.md, "Float32 linears on tiles of our own"). Where the kernel cannot be built
 (logged), float32 weights are packed for oneDNN as bfloat16 ones are.
 
-bfloat16: the same tiles over weights packed in pairs of k, one `vdpbf16ps` for both products of a pair where the
-CPU has AVX-512 BF16, two float32 multiply-adds elsewhere (`pagoda_bf16_tiles_linear`), every step, one stream's
-included. On the Zen 4 machine (`python
--m pagoda.bench.f32_tiles --dtype bfloat16`; BENCHMARKS.md, "The tiles replace the plain weights; bfloat16 linears
-on the tiles"): a decode step's linears 1.02x the GEMV at 1 row, 1.16-1.47x the best of the GEMV and oneDNN at
-4-256 rows, the decoder's shapes 1.02-1.04x oneDNN's packed weight at 2,048 rows (443-456 GFLOP/s, ~97% of
-`vdpbf16ps`'s rate there); the bfloat16 128-request workload 1.10-1.15x faster end to end. The widening path
-(built for AVX2 and for AVX-512 without BF16, timed on the Zen 4 machine against F.linear with oneDNN limited to
-those ISAs, f32_tiles.cpp has the figures): 1.7-4.0x at 4-2,048 rows, faster than the GEMV at 1 row. Where the
-kernels cannot be built, oneDNN on its weights reordered once into its blocked layout (where oneDNN packs bfloat16:
-AVX-512), against F.linear on the plain weight (`python -m pagoda.bench.linear_stream --dtype bfloat16`, one step's
-matmuls, BENCHMARKS.md): 1.08-1.73x at 1-1,024 rows, but 0.61x at 2,048 (a full prompt-chunk step, Xeon); so the
-packed weight serves PACKED_ROWS[dtype], the plain one the rest. (Float32 on oneDNN's packing, for the fallback:
-1.30-1.56x F.linear at 4-32 rows, 0.90x at 1-2.)
+bfloat16, where the build has AVX-512: the same tiles over weights packed in pairs of k, one `vdpbf16ps` for both
+products of a pair where the CPU has AVX-512 BF16, two float32 multiply-adds elsewhere (`pagoda_bf16_tiles_linear`),
+every step, one stream's included. On the Zen 4 machine (`python -m pagoda.bench.f32_tiles --dtype bfloat16`;
+BENCHMARKS.md, "The tiles replace the plain weights; bfloat16 linears on the tiles"): a decode step's linears 1.02x
+the GEMV at 1 row, 1.16-1.47x the best of the GEMV and oneDNN at 4-256 rows, the decoder's shapes 1.02-1.04x
+oneDNN's packed weight at 2,048 rows (443-456 GFLOP/s, ~97% of `vdpbf16ps`'s rate there); the bfloat16 128-request
+workload 1.10-1.15x faster end to end. The widening path of an AVX-512 build: 1.7-4.0x F.linear at 4-2,048 rows,
+faster than the GEMV at 1 row (f32_tiles.cpp has the figures). Not AVX2 builds, where the tiles lost to the GEMV at
+1-4 rows (pagoda_bf16_tiles_enabled), nor where the kernels cannot be built: there bfloat16 weights get oneDNN's
+packing where oneDNN packs bfloat16 (AVX-512 CPUs; on AVX2 ones they stay plain, the GEMV and F.linear), its
+weights reordered once into its blocked layout, against F.linear on the plain weight (`python -m
+pagoda.bench.linear_stream --dtype bfloat16`, one step's matmuls, BENCHMARKS.md): 1.08-1.73x at 1-1,024 rows, but
+0.61x at 2,048 (a full prompt-chunk step, Xeon); so the packed weight serves PACKED_ROWS[dtype], the plain one the
+rest. (Float32 on oneDNN's packing, for the fallback: 1.30-1.56x F.linear at 4-32 rows, 0.90x at 1-2.)
 
 Memory: a layer's tiles replace its plain weight, which is freed (an empty tensor stays, for code that looks at
 dtypes, as with --quantization), unless another module shares it: the tied lm_head keeps the rows the embedding
-reads, so there the tiles are a second copy. A bfloat16 layer on oneDNN's packing keeps its plain weight next to
+reads, so there the tiles are a second copy. A layer on oneDNN's packing keeps its plain weight next to
 it, for the GEMV and for steps beyond PACKED_ROWS: twice the weight memory. Results differ from F.linear by float
 rounding only. Not combined with --compile-model, whose graph would have to branch on the token count.
 
@@ -227,7 +227,7 @@ def tiles_library(portable: bool = False) -> Any:
     for fn in (lib.pagoda_f32_tiles_linear, lib.pagoda_bf16_tiles_linear):
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         fn.restype = None
-    lib.pagoda_f32_tiles_panel.restype = ctypes.c_int64
+    lib.pagoda_f32_tiles_panel.restype = lib.pagoda_bf16_tiles_enabled.restype = ctypes.c_int64
     return lib
 
 
@@ -277,10 +277,12 @@ def _packable(module: nn.Module) -> TypeGuard[nn.Linear]:
 
 
 def _tiles_fit(layer: nn.Linear, lib: Any) -> bool:
-    """Whether lib's tile kernels (None: not built) take the layer: a weight of TILE_DTYPES and a bias of its dtype if
-    any."""
+    """Whether lib's tile kernels (None: not built) take the layer: a float32 weight, or a bfloat16 one where the
+    build has 512-bit vectors (pagoda_bf16_tiles_enabled: on AVX2 they lost to the GEMV), and a bias of its dtype
+    if any."""
     w, bias = layer.weight, layer.bias
-    return (lib is not None and w.dtype in TILE_DTYPES
+    return (lib is not None
+            and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and lib.pagoda_bf16_tiles_enabled()))
             and (bias is None or (bias.dtype == w.dtype and bias.is_contiguous())))
 
 
@@ -304,12 +306,12 @@ def _tiles_library_or_none(layers: list[nn.Linear]) -> Any:
 def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = False) -> tuple[int, range | None]:
     """Gives every float32 or bfloat16 nn.Linear of the model a packed copy of its weight; returns the bytes this
     adds to the model's memory (the packed copies less the plain weights freed) and the rows the packed weights
-    serve ((0, None) if none was packed). The weights are packed in panels for f32_tiles.cpp's kernels, which then
-    take every step (TILE_ROWS), and their plain weights are freed (an empty tensor of their dtype stays) unless
-    another module shares them (the tied lm_head's, the embedding's) or keep_plain (for benchmarks that time both
-    sides). Where the kernels cannot be built (logged), or with tiles=False, they are packed for oneDNN where it
-    packs their dtype on this CPU (packable_rows: for PACKED_ROWS[dtype]), next to the plain weight, else left
-    alone."""
+    serve ((0, None) if none was packed). The weights the tile kernels take (_tiles_fit: float32, and bfloat16 in
+    AVX-512 builds) are packed in panels for them, which then take every step (TILE_ROWS), and their plain weights
+    are freed (an empty tensor of their dtype stays) unless another module shares them (the tied lm_head's, the
+    embedding's) or keep_plain (for benchmarks that time both sides). The others, and all where the kernels cannot
+    be built (logged) or with tiles=False, are packed for oneDNN where it packs their dtype on this CPU
+    (packable_rows: for PACKED_ROWS[dtype]), next to the plain weight, else left alone."""
     added, used = 0, None
     layers = [m for m in model.modules() if _packable(m)]
     lib: Any = _tiles_library_or_none(layers) if tiles else None

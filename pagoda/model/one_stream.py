@@ -9,9 +9,9 @@ same arguments.
 
 Which steps: those that are decodes alone, as many as the eager path gives to the kernels the loop calls: where
 every linear runs one packed kernel (`--quantization q4_1` or `q8_0`, whose kernel takes any number of rows), or a
-float32 or bfloat16 model's linears run on their tiles (f32_tiles.cpp, the default), any number; a model's linears
-without tiles (--no-prepack-weights) take the GEMV for 1-GEMV_MAX_ROWS (4) rows and oneDNN's
-matmuls beyond, so up to 4 sequences. A 128-sequence q4_1 decode step spent ~19% of its main thread in Python,
+float32 or bfloat16 model's linears run on their tiles (f32_tiles.cpp, the default; bfloat16 in AVX-512 builds),
+any number; a model's linears without tiles (--no-prepack-weights) take the GEMV for 1-GEMV_MAX_ROWS (4) rows and
+oneDNN's matmuls beyond, so up to 4 sequences. A 128-sequence q4_1 decode step spent ~19% of its main thread in Python,
 while the other OpenMP thread waited (BENCHMARKS.md, "Batched decode steps in one call").
 
 Built at start-up (`build`) when every kernel it needs is in use by the eager path: a bfloat16 or float32 model

@@ -10,6 +10,8 @@ from torch import nn
 
 from pagoda.layers import linear
 
+BF16_TILES = bool(linear.tiles_library().pagoda_bf16_tiles_enabled())  # builds with AVX-512
+
 
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize(("n", "k"), [(576, 576), (49, 1536), (7, 70), (130, 33)])
@@ -49,9 +51,10 @@ def test_float32_gemv_matches_float64_linear(portable: bool, n: int, k: int) -> 
 
 @pytest.mark.parametrize("tiles", [True, False])
 def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch, tiles: bool) -> None:
-    """enable_gemv: bfloat16 and float32 linears take the GEMV for 1-GEMV_MAX_ROWS rows; after prepack_linears both
-    take their tiles at every row count, before the GEMV. Without the tile kernels (tiles=False, as where they cannot
-    be built) they keep the GEMV and take oneDNN's packed weight beyond it (bfloat16 where oneDNN packs it, within
+    """enable_gemv: bfloat16 and float32 linears take the GEMV for 1-GEMV_MAX_ROWS rows; after prepack_linears
+    float32 ones take their tiles at every row count, before the GEMV, and so do bfloat16 ones where the build has
+    AVX-512 (BF16_TILES). Without the tile kernels (tiles=False, as where they cannot be built), and bfloat16 ones on
+    AVX2, they keep the GEMV and take oneDNN's packed weight beyond it (bfloat16 where oneDNN packs it, within
     PACKED_ROWS); float64 ones are left alone."""
     packed_calls: list[int] = []
     pointwise = torch.ops.mkldnn._linear_pointwise  # looked up when a layer's forward is built: patch first
@@ -71,9 +74,10 @@ def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch, tiles: bool) -
     top = linear.GEMV_MAX_ROWS
     bf16_packable = linear.packable_rows(torch.bfloat16) is not None  # not on AVX2 CPUs
     for layer, k, dtype, weight, gemv_calls in cases:
-        assert (linear.tiles_of(layer) is not None) == tiles and (layer.weight.numel() == 0) == tiles
+        on_tiles = tiles and (dtype == torch.float32 or BF16_TILES)
+        assert (linear.tiles_of(layer) is not None) == on_tiles and (layer.weight.numel() == 0) == on_tiles
         tile_calls: list[int] = []
-        if tiles:
+        if on_tiles:
             call, calls = layer._pagoda_tiles_call, tile_calls
             layer._pagoda_tiles_call = lambda x, w, b, call=call, calls=calls: calls.append(x.shape[0]) or call(x, w, b)
         packed_calls.clear()
@@ -81,7 +85,7 @@ def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch, tiles: bool) -
             x = torch.randn(rows, k, dtype=dtype)
             tol = {"rtol": 2**-7, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
             torch.testing.assert_close(layer(x).float(), F.linear(x, weight, layer.bias).float(), **tol)
-        if tiles:
+        if on_tiles:
             assert tile_calls == [1, top, top + 1, 2000] and gemv_calls == [] and packed_calls == []
         else:
             onednn = dtype == torch.float32 or bf16_packable
@@ -90,19 +94,20 @@ def test_linear_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch, tiles: bool) -
             assert linear.is_packed(layer) == onednn
 
 
-def test_bfloat16_on_tiles_where_onednn_cannot_pack_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where oneDNN has no bfloat16 on the CPU (AVX2 ones), bfloat16 linears still take the tiles, by default and
-    when asked; without the tile kernels they are left unpacked (oneDNN's reorder would raise there) while float32
-    ones pack for oneDNN."""
+def test_bfloat16_where_onednn_cannot_pack_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN has no bfloat16 (AVX2 CPUs; faked here), bfloat16 linears take the tiles where the build has
+    AVX-512 (BF16_TILES), by default and when asked, and are left unpacked otherwise (oneDNN's reorder would raise),
+    as they are without the tile kernels, while float32 ones pack for oneDNN."""
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
     model = nn.Sequential(nn.Linear(64, 32).bfloat16(), nn.Linear(32, 16))
     assert linear.packable_rows(torch.bfloat16) is None and linear.packable_rows(torch.float32) is not None
-    assert linear.should_prepack(model, torch.bfloat16, None, compile_model=False)
+    assert linear.should_prepack(model[:1], torch.bfloat16, None, compile_model=False) == BF16_TILES
     added, rows = linear.prepack_linears(model)
     tiles = [linear.tiles_of(m) for m in model]
+    assert (tiles[0] is not None) == BF16_TILES and tiles[1] is not None and rows == linear.TILE_ROWS
     # the tiles (32 and 16 outputs in whole panels) less the plain weights they replace
-    assert tiles[0] is not None and tiles[1] is not None and rows == linear.TILE_ROWS
-    assert added == tiles[0].numel() * 2 + tiles[1].numel() * 4 - 32 * 64 * 2 - 16 * 32 * 4
+    assert added == sum(t.numel() * t.element_size() for t in tiles if t is not None) - 16 * 32 * 4 - (
+        32 * 64 * 2 if BF16_TILES else 0)
     plain = nn.Sequential(nn.Linear(64, 32).bfloat16(), nn.Linear(32, 16))
     linear.prepack_linears(plain, tiles=False)
     assert not linear.is_packed(plain[0]) and linear.is_packed(plain[1]) and linear.tiles_of(plain[1]) is None
