@@ -113,13 +113,13 @@ def matmul_peak(model: Any) -> dict[str, float]:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
         matmuls["onednn_packed"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     if w.dtype in (torch.float32, torch.bfloat16):
-        from pagoda.layers.linear import _tiles_call, pack_tiles, tiles_library
+        from pagoda.layers.linear import _tiles_call, pack_tiles, tiles_library, tiles_take
 
         try:
             lib = tiles_library()
         except Exception:  # no C++ compiler: the engine's linears are not on it either (prepack_linears)
             lib = None
-        if lib is not None and (w.dtype == torch.float32 or lib.pagoda_bf16_tiles_enabled()):
+        if tiles_take(lib, w.dtype):
             tiles = pack_tiles(w, lib.pagoda_f32_tiles_panel())
             tiles_call = _tiles_call(lib, w.shape[0], w.shape[1], w.dtype)
             matmuls["tiles"] = lambda: tiles_call(x, tiles, None)

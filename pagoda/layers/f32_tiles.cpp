@@ -1,6 +1,7 @@
 // Float32 (and, below, bfloat16) linears on weights packed in panels, every step of a layer that has them
-// (prepack_linears, the default): y (M, N) = x (M, K) @ w^T (+ bias), w packed as (ceil(N / P), K, P), P = 2 * L columns a panel (32
-// under AVX-512, 16 under AVX2), zeros past N in the last one (pagoda/layers/linear.py's pack_tiles). Each tile is
+// (prepack_linears, the default): y (M, N) = x (M, K) @ w^T (+ bias), w packed as (ceil(N / P), K, P), P = 2 * L
+// columns a panel (32 under AVX-512, 16 under AVX2), zeros past N in the last one (pagoda/layers/linear.py's
+// pack_tiles). Each tile is
 // MR rows x P columns of float32 sums kept in 2 * MR registers; each k loads the panel's two vectors once and
 // multiplies-adds them with each row's x[k] broadcast. Each thread takes a contiguous share of the panels, streams
 // them in order, and runs a block of rows past each panel (K x P floats: 72 KiB for K = 576 under AVX-512, in L2)
@@ -13,8 +14,10 @@
 // with the GEMV's signature, it lets a float32 model's batched decode steps run in one C++ call
 // (pagoda/model/one_stream.cpp), where oneDNN's matmul cannot be called. Sums run over k in order per output, so
 // results differ from F.linear's and oneDNN's by float32 rounding only. Compiled by load_library after cpp_vector.h.
-// The AVX2 build (6 x 16 tiles) was measured on the Zen 4 machine only (compiled for Haswell, against oneDNN limited
-// to AVX2): 0.99-1.43x oneDNN at 16-2,048 rows.
+// An AVX2 build (6 x 16 tiles; g++ -march=haswell, timed on the Zen 4 machine against oneDNN limited to AVX2 and the
+// GEMV built the same way, weights in the caches, ad hoc): 1.16-2.29x the best other at 4 rows, 1.06-1.47x at 16,
+// 0.92-1.23x at 128, 1.00-1.13x at 2,048, but 0.66-0.96x the GEMV at 1 row (not fixed yet). An earlier "Haswell"
+// figure, 0.99-1.43x at 16-2,048 rows, came from a build inductor's flags may have kept at AVX-512.
 
 #include <omp.h>
 
@@ -97,68 +100,6 @@ static inline void tile(const float* x, int64_t K, const float* panel, const flo
   }
 }
 
-// The last rows (fewer than MR) of a panel.
-template <int R>
-static void tail(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N, int64_t cols,
-                 int64_t left) {
-  if constexpr (R > 0) {
-    if (left == R) tile<R>(x, K, panel, bias, y, N, cols);
-    else tail<R - 1>(x, K, panel, bias, y, N, cols, left);
-  }
-}
-
-// The columns a panel holds (pack_tiles packs for it).
-extern "C" int64_t pagoda_f32_tiles_panel() { return P; }
-
-// Rows are taken in blocks of about this many bytes of x (a multiple of MR rows), each thread running its panels
-// past one block before the next, so that the block stays in its L2 while the panels stream; without blocks every
-// panel read all of x from L3. At 2,048 rows on the Zen 4 machine (ad hoc, alternated, GFLOP/s): the down projection
-// (K 1,536) 217.8 with blocks of 256 KiB against 206.9 without, the others 205-213 either way; blocks of 64 KiB cost
-// 2-10% at 128 rows (the panels re-read more often), 512 KiB gained nothing. PAGODA_ROW_BLOCK_BYTES overrides it (ad hoc
-// A/Bs build the kernel with another value through load_library's defines, as PAGODA_PREFETCH_Y).
-#ifndef PAGODA_ROW_BLOCK_BYTES
-#define PAGODA_ROW_BLOCK_BYTES (256 << 10)
-#endif
-
-// Each thread a contiguous share of the panels (panel_elems elements apart in wp), a block of rows (about
-// PAGODA_ROW_BLOCK_BYTES of x) past each in turn; full(x, panel, bias, y, cols) a tile of MR rows, part(..., rows)
-// one of fewer. Both kernels below run on it.
-template <typename E, typename Full, typename Part>
-static void run_tiles(const E* x, const E* wp, const E* bias, E* y, int64_t M, int64_t N, int64_t K,
-                      int64_t panel_elems, Full full, Part part) {
-  const int64_t panels = (N + P - 1) / P;
-  const int64_t block = std::max<int64_t>(1, PAGODA_ROW_BLOCK_BYTES / (K * int64_t(sizeof(E)) * MR)) * MR;
-#pragma omp parallel
-  {
-    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t p0 = panels * t / threads, p1 = panels * (t + 1) / threads;
-    for (int64_t m0 = 0; m0 < M; m0 += block) {
-      const int64_t m1 = std::min(M, m0 + block);
-      for (int64_t p = p0; p < p1; ++p) {
-        const E* panel = wp + p * panel_elems;
-        const E* b = bias != nullptr ? bias + p * P : nullptr;
-        const int64_t cols = std::min<int64_t>(P, N - p * P);
-        int64_t m = m0;
-        for (; m + MR <= m1; m += MR) full(x + m * K, panel, b, y + m * N + p * P, cols);
-        if (m < m1) part(x + m * K, panel, b, y + m * N + p * P, cols, m1 - m);
-      }
-    }
-  }
-}
-
-// x (M, K), wp: w (N, K) packed by pack_tiles, bias (N) or null, y (M, N); all float32, contiguous; M >= 0.
-extern "C" void pagoda_f32_tiles_linear(const float* x, const float* wp, const float* bias, float* y, int64_t M,
-                                        int64_t N, int64_t K) {
-  run_tiles(
-      x, wp, bias, y, M, N, K, K * P,
-      [=](const float* xs, const float* panel, const float* b, float* ys, int64_t cols) {
-        tile<MR>(xs, K, panel, b, ys, N, cols);
-      },
-      [=](const float* xs, const float* panel, const float* b, float* ys, int64_t cols, int64_t rows) {
-        tail<MR - 1>(xs, K, panel, b, ys, N, cols, rows);
-      });
-}
-
 // ---- bfloat16 ----
 // The same tiles over bfloat16 weights packed in pairs of k: (ceil(N / P), ceil(K / 2), P, 2), each column's w[k]
 // and w[k + 1] side by side (zeros past N and past K; linear.py's pack_tiles for a bfloat16 weight), x and y
@@ -201,7 +142,7 @@ static inline uint32_t load_pair(const uint16_t* p) {
 
 // R rows x the panel's columns [0, cols).
 template <int R>
-static inline void tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, const uint16_t* bias, uint16_t* y,
+static inline void tile(const uint16_t* x, int64_t K, const uint16_t* panel, const uint16_t* bias, uint16_t* y,
                              int64_t N, int64_t cols) {
   // step(w, x_pair): one pair of k, x_pair(row) giving a row's (x[k], x[k + 1]) as 32 bits; with K odd the last is
   // (x[K - 1], 0), so that the row's next element is not read (a NaN there would reach the sums)
@@ -265,25 +206,62 @@ static inline void tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel
   }
 }
 
-template <int R>
-static void tail_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, const uint16_t* bias, uint16_t* y,
-                      int64_t N, int64_t cols, int64_t left) {
+// The last rows (fewer than MR) of a panel; E float (float32) or uint16_t (bfloat16) picks the tile.
+template <int R, typename E>
+static void tail(const E* x, int64_t K, const E* panel, const E* bias, E* y, int64_t N, int64_t cols, int64_t left) {
   if constexpr (R > 0) {
-    if (left == R) tile_bf16<R>(x, K, panel, bias, y, N, cols);
-    else tail_bf16<R - 1>(x, K, panel, bias, y, N, cols, left);
+    if (left == R) tile<R>(x, K, panel, bias, y, N, cols);
+    else tail<R - 1>(x, K, panel, bias, y, N, cols, left);
   }
 }
 
-// x (M, K), wp: w (N, K) packed by pack_tiles, bias (N) or null, y (M, N); all bfloat16 (as uint16),
-// contiguous; M >= 0. The GEMV's signature, as the float32 kernel's.
+// The columns a panel holds (pack_tiles packs for it).
+extern "C" int64_t pagoda_f32_tiles_panel() { return P; }
+
+// Rows are taken in blocks of about this many bytes of x (a multiple of MR rows), each thread running its panels past
+// one block before the next, so that the block stays in its L2 while the panels stream; without blocks every panel read
+// all of x from L3. At 2,048 rows on the Zen 4 machine (ad hoc, alternated, GFLOP/s): the down projection (K 1,536)
+// 217.8 with blocks of 256 KiB against 206.9 without, the others 205-213 either way; blocks of 64 KiB cost 2-10% at 128
+// rows (the panels re-read more often), 512 KiB gained nothing. PAGODA_ROW_BLOCK_BYTES overrides it (ad hoc A/Bs build
+// the kernel with another value through load_library's defines, as PAGODA_PREFETCH_Y).
+#ifndef PAGODA_ROW_BLOCK_BYTES
+#define PAGODA_ROW_BLOCK_BYTES (256 << 10)
+#endif
+
+// Each thread a contiguous share of the panels (panel_elems elements apart in wp), a block of rows (about
+// PAGODA_ROW_BLOCK_BYTES of x) past each in turn, in tiles of MR rows and a tail. Both kernels below run on it.
+template <typename E>
+static void run_tiles(const E* x, const E* wp, const E* bias, E* y, int64_t M, int64_t N, int64_t K,
+                      int64_t panel_elems) {
+  const int64_t panels = (N + P - 1) / P;
+  const int64_t block = std::max<int64_t>(1, PAGODA_ROW_BLOCK_BYTES / (K * int64_t(sizeof(E)) * MR)) * MR;
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t p0 = panels * t / threads, p1 = panels * (t + 1) / threads;
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+      const int64_t m1 = std::min(M, m0 + block);
+      for (int64_t p = p0; p < p1; ++p) {
+        const E* panel = wp + p * panel_elems;
+        const E* b = bias != nullptr ? bias + p * P : nullptr;
+        const int64_t cols = std::min<int64_t>(P, N - p * P);
+        int64_t m = m0;
+        for (; m + MR <= m1; m += MR) tile<MR>(x + m * K, K, panel, b, y + m * N + p * P, N, cols);
+        tail<MR - 1>(x + m * K, K, panel, b, y + m * N + p * P, N, cols, m1 - m);
+      }
+    }
+  }
+}
+
+// x (M, K), wp: w (N, K) packed by pack_tiles, bias (N) or null, y (M, N); all float32, contiguous; M >= 0.
+extern "C" void pagoda_f32_tiles_linear(const float* x, const float* wp, const float* bias, float* y, int64_t M,
+                                        int64_t N, int64_t K) {
+  run_tiles(x, wp, bias, y, M, N, K, K * P);
+}
+
+// x (M, K), wp: w (N, K) packed by pack_tiles, bias (N) or null, y (M, N); all bfloat16 (as uint16), contiguous;
+// M >= 0. The GEMV's signature, as the float32 kernel's.
 extern "C" void pagoda_bf16_tiles_linear(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
                                          int64_t M, int64_t N, int64_t K) {
-  run_tiles(
-      x, wp, bias, y, M, N, K, (K + 1) / 2 * 2 * P,
-      [=](const uint16_t* xs, const uint16_t* panel, const uint16_t* b, uint16_t* ys, int64_t cols) {
-        tile_bf16<MR>(xs, K, panel, b, ys, N, cols);
-      },
-      [=](const uint16_t* xs, const uint16_t* panel, const uint16_t* b, uint16_t* ys, int64_t cols, int64_t rows) {
-        tail_bf16<MR - 1>(xs, K, panel, b, ys, N, cols, rows);
-      });
+  run_tiles(x, wp, bias, y, M, N, K, (K + 1) / 2 * 2 * P);
 }

@@ -27,9 +27,9 @@ rest. (Float32 on oneDNN's packing, for the fallback: 1.30-1.56x F.linear at 4-3
 
 Memory: a layer's tiles replace its plain weight, which is freed (an empty tensor stays, for code that looks at
 dtypes, as with --quantization), unless another module shares it: the tied lm_head keeps the rows the embedding
-reads, so there the tiles are a second copy. A layer on oneDNN's packing keeps its plain weight next to
-it, for the GEMV and for steps beyond PACKED_ROWS: twice the weight memory. Results differ from F.linear by float
-rounding only. Not combined with --compile-model, whose graph would have to branch on the token count.
+reads, so there the tiles are a second copy. A layer on oneDNN's packing keeps its plain weight next to it, for the
+GEMV and for steps beyond PACKED_ROWS: twice the weight memory. Results differ from F.linear by float rounding only.
+Not combined with --compile-model, whose graph would have to branch on the token count.
 
 For one stream (1-GEMV_MAX_ROWS rows) of a bfloat16 model, oneDNN packed or not reads the weights at about
 a third of the memory's speed; a GEMV of our own (`gemv.cpp`, enabled with the fused ops) streams them
@@ -121,7 +121,7 @@ def _install(layer: nn.Linear) -> None:
 
 
 def is_packed(layer: nn.Module) -> bool:
-    """Whether prepack_linears gave the layer a packed copy: tiles (float32) or oneDNN's."""
+    """Whether prepack_linears gave the layer a packed copy: tiles or oneDNN's."""
     return tiles_of(layer) is not None or getattr(layer, "_pagoda_packed", None) is not None
 
 
@@ -181,8 +181,8 @@ def enable_gemv(model: nn.Module, portable: bool = False) -> float:
 
 
 # `prepack_weights` left to the engine (None) packs float32 and bfloat16 models whose packing adds at most this much
-# memory (on the tiles only a tied lm_head's copy: the other plain weights are freed), while larger
-# copies cost more memory for a share of the step that was not measured (BENCHMARKS.md). With the default model:
+# memory (on the tiles only a tied lm_head's copy: the other plain weights are freed), while larger copies cost more
+# memory for a share of the step that was not measured (BENCHMARKS.md). With the default model:
 # bfloat16's 128-request workload ran 1.23x and 1.31x faster end to end (+270 MB, Xeon); float32 decode steps of 16
 # and 64 requests 1.13x and 1.11x faster than oneDNN on the plain weights (+540 MB; AVX2, `bench.decode_step
 # --versus packed-weights`), the packed weights 1.15-1.36x at 8-64 rows (`bench.linear_stream`).
@@ -276,14 +276,17 @@ def _packable(module: nn.Module) -> TypeGuard[nn.Linear]:
             and module.weight.dtype in TILE_DTYPES)
 
 
+def tiles_take(lib: Any, dtype: torch.dtype) -> bool:
+    """Whether the engine runs weights of dtype on lib's tile kernels (None: not built): float32, and bfloat16 where
+    the build has 512-bit vectors (pagoda_bf16_tiles_enabled: on AVX2 they lost to the GEMV)."""
+    return lib is not None and (dtype == torch.float32 or (dtype == torch.bfloat16
+                                                           and bool(lib.pagoda_bf16_tiles_enabled())))
+
+
 def _tiles_fit(layer: nn.Linear, lib: Any) -> bool:
-    """Whether lib's tile kernels (None: not built) take the layer: a float32 weight, or a bfloat16 one where the
-    build has 512-bit vectors (pagoda_bf16_tiles_enabled: on AVX2 they lost to the GEMV), and a bias of its dtype
-    if any."""
+    """Whether lib's tile kernels take the layer: its weight's dtype (tiles_take) and a bias of that dtype if any."""
     w, bias = layer.weight, layer.bias
-    return (lib is not None
-            and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and lib.pagoda_bf16_tiles_enabled()))
-            and (bias is None or (bias.dtype == w.dtype and bias.is_contiguous())))
+    return tiles_take(lib, w.dtype) and (bias is None or (bias.dtype == w.dtype and bias.is_contiguous()))
 
 
 def _shared_weights(model: nn.Module) -> set[int]:
@@ -293,8 +296,8 @@ def _shared_weights(model: nn.Module) -> set[int]:
 
 
 def _tiles_library_or_none(layers: list[nn.Linear]) -> Any:
-    """tiles_library() if a layer's dtype is one it has a kernel for and it can be built (else logged), or None."""
-    if not any(m.weight.dtype in TILE_DTYPES for m in layers):
+    """tiles_library() if there are layers to pack (_packable) and it can be built (else logged), or None."""
+    if not layers:
         return None
     try:
         return tiles_library()
