@@ -123,7 +123,7 @@ static inline void tile(const float* x, int64_t K, const float* panel, const flo
 
 // Whether linear.py gives bfloat16 layers these tiles: builds with 512-bit vectors, where they were measured faster
 // than the GEMV and oneDNN (above). Not AVX2 builds: there (built for Haswell with g++ -march=haswell, timed on the
-// Zen 4 machine, ad hoc) they ran 0.4-0.55x F.linear and ~0.6x the GEMV at 1 row, 0.63-0.7x the GEMV at 4, and only
+// Zen 4 machine, ad hoc) they ran 0.4-0.55x F.linear and 0.59-0.70x the GEMV at 1 row, 0.62-0.72x at 4, and only
 // 1.2-1.6x F.linear at 16-2,048 rows (~58 GFLOP/s at 2,048: 6 x 16 tiles, x widened row by row), so bfloat16 keeps
 // the GEMV and oneDNN or F.linear there.
 extern "C" int64_t pagoda_bf16_tiles_enabled() {
