@@ -3,15 +3,22 @@ weights packed as (N / 32, K, 32), bfloat16 ones in pairs of k, linear.py's pack
 reordered into its blocked layout (`_reorder_linear_weight`, then `_linear_pointwise`: the engine's float32 linears
 before the tiles, its bfloat16 ones' 1-1,024-row steps before the bfloat16 tiles, and still where the kernels
 cannot be built), at the default model's shapes (q/k/v, o, gate/up, down, the lm_head). In bfloat16 also F.linear
-on the plain weight (what bfloat16 steps of over 1,024 rows ran) and, at 1-4 rows, the GEMV (gemv.cpp, what they
-ran at those rows). The sides alternate call by call; medians over --iters calls. The tiles' output is checked
-against F.linear in float32 on the same values (max_abs_diff: sums in another order, and in bfloat16 the rounding
-of the output). BENCHMARKS.md, "Float32 linears on tiles of our own" and "The tiles replace the plain weights;
-bfloat16 linears on the tiles".
+on the plain weight (what bfloat16 steps of over 1,024 rows ran), and at 1-4 rows the GEMV (gemv.cpp, what both
+dtypes' steps ran at those rows before the tiles). The sides alternate call by call; medians over --iters calls.
+The tiles' output is checked against F.linear in float32 on the same values (max_abs_diff: sums in another order,
+and in bfloat16 the rounding of the output). BENCHMARKS.md, "Float32 linears on tiles of our own", "The tiles
+replace the plain weights; bfloat16 linears on the tiles" and "An AVX2 build through the engine's own compiler".
 
     python -m pagoda.bench.f32_tiles --rows 16,128,2048
     python -m pagoda.bench.f32_tiles --step --rows 128     # one decode step's matmuls: 30 layers, each its own weight
     python -m pagoda.bench.f32_tiles --dtype bfloat16 --rows 1,16,128,2048
+
+An AVX2 CPU's build, timed on a newer CPU: the kernels are compiled by torch's inductor, which reads
+TORCHINDUCTOR_CPP_MARCH and ATEN_CPU_CAPABILITY, and oneDNN reads ONEDNN_MAX_CPU_ISA (a flag added through
+load_library's extra_flags does not narrow the build: inductor's own -march and -mavx512f stay):
+
+    TORCHINDUCTOR_CPP_MARCH=haswell ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        python -m pagoda.bench.f32_tiles --step --rows 1,4
 
 `--step`: per row count, every linear of a decode step in turn (--layers layers of the four shapes and the lm_head,
 ~540 MB of float32 weights at 30, streamed from memory as the model streams them) instead of one shape at a time
@@ -114,8 +121,8 @@ def _measure(lib: Any, rows: int, shapes: list[tuple[int, int]], step: bool, ite
         sides["tiles"] = tiles(group)
         if dtype == torch.bfloat16:
             sides["f_linear"] = f_linear(group)
-            if rows <= GEMV_MAX_ROWS:
-                sides["gemv"] = gemv(group)
+        if rows <= GEMV_MAX_ROWS:
+            sides["gemv"] = gemv(group)
         ms = _median_ms(sides, iters)
         flop = sum(2 * rows * k * n for k, n, _, _, _ in group)
         results.append({"rows": rows, **({} if step else {"in": k, "out": n}),

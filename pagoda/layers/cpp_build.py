@@ -15,7 +15,11 @@ _VECTOR_HEADER = Path(__file__).with_name("cpp_vector.h")
 def load_library(source: Path, defines: dict[str, int], extra_flags: tuple[str, ...] = (),
                  rev: str | None = None) -> Any:
     """Compile (or load the cached build of) source; returns the ctypes library. rev: build the source and
-    the header as they were at this git revision instead (benchmarks time a kernel against its past)."""
+    the header as they were at this git revision instead (benchmarks time a kernel against its past).
+
+    The build targets this CPU (inductor's -march=native and its vector ISA's flags); extra_flags cannot narrow it.
+    To build what an older CPU would run, set inductor's TORCHINDUCTOR_CPP_MARCH (e.g. haswell) and
+    ATEN_CPU_CAPABILITY (avx2) before the process starts (pagoda/bench/f32_tiles.py)."""
     from torch._inductor.codecache import CppCodeCache  # the import is slow: only when used
 
     header = "".join(f"#define PAGODA_{k} {v}\n" for k, v in defines.items())

@@ -14,10 +14,13 @@
 // with the GEMV's signature, it lets a float32 model's batched decode steps run in one C++ call
 // (pagoda/model/one_stream.cpp), where oneDNN's matmul cannot be called. Sums run over k in order per output, so
 // results differ from F.linear's and oneDNN's by float32 rounding only. Compiled by load_library after cpp_vector.h.
-// An AVX2 build (6 x 16 tiles; g++ -march=haswell, timed on the Zen 4 machine against oneDNN limited to AVX2 and the
-// GEMV built the same way, weights in the caches, ad hoc): 1.16-2.29x the best other at 4 rows, 1.06-1.47x at 16,
-// 0.92-1.23x at 128, 1.00-1.13x at 2,048, but 0.66-0.96x the GEMV at 1 row (not fixed yet). An earlier "Haswell"
-// figure, 0.99-1.43x at 16-2,048 rows, came from a build inductor's flags may have kept at AVX-512.
+// An AVX2 build (6 x 16 tiles; load_library with TORCHINDUCTOR_CPP_MARCH=haswell ATEN_CPU_CAPABILITY=avx2, no zmm
+// register in it; timed on the Zen 4 machine against oneDNN limited to AVX2 and the GEMV built the same way,
+// `python -m pagoda.bench.f32_tiles`): a decode step's linears streamed from memory 1.07x / 1.04x / 1.36x the GEMV
+// at 1 / 2 / 4 rows, one shape with its weight in the caches 1.08-1.38x the GEMV at 1 row, 1.56-2.21x the best
+// other at 4, 1.32-1.73x at 16, 1.00-1.26x at 128, 1.02-1.22x at 2,048 (BENCHMARKS.md, "An AVX2 build through the
+// engine's own compiler"). A build by hand with g++ -march=haswell had lost to the GEMV at 1 row (0.66-0.96x);
+// the engine's build does not.
 
 #include <omp.h>
 
@@ -122,10 +125,10 @@ static inline void tile(const float* x, int64_t K, const float* panel, const flo
 #endif
 
 // Whether linear.py gives bfloat16 layers these tiles: builds with 512-bit vectors, where they were measured faster
-// than the GEMV and oneDNN (above). Not AVX2 builds: there (built for Haswell with g++ -march=haswell, timed on the
-// Zen 4 machine, ad hoc) they ran 0.4-0.55x F.linear and 0.59-0.70x the GEMV at 1 row, 0.62-0.72x at 4, and only
-// 1.2-1.6x F.linear at 16-2,048 rows (~58 GFLOP/s at 2,048: 6 x 16 tiles, x widened row by row), so bfloat16 keeps
-// the GEMV and oneDNN or F.linear there.
+// than the GEMV and oneDNN (above). Not AVX2 builds: there (built for Haswell as the float32 note above says, timed
+// on the Zen 4 machine) they ran 0.51-0.69x the best of the GEMV and F.linear at 1 row and 0.82-1.29x at 4, though
+// 1.5-1.85x F.linear at 16-2,048 rows (~55 GFLOP/s: 6 x 16 tiles, x widened row by row); freeing the plain weights
+// needs tiles that take every row, so bfloat16 keeps the GEMV and F.linear there.
 extern "C" int64_t pagoda_bf16_tiles_enabled() {
 #if defined(__AVX512F__) && !defined(PAGODA_PORTABLE)
   return 1;
