@@ -52,7 +52,8 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
 // scales (null for caches without them).
 // dims: hidden, q heads, KV heads, head_dim, intermediate, 1 where a bfloat16 model's K and V rows go to the cache
 // write as float32 (an int8 cache's write quantizes float32 rows; the eager path converts them too) else 0, the fewest
-// rows that take the MLP in one call (0: never), and that call's q8 argument.
+// rows that take the MLP in one call (0: never), that call's q8 argument, and how embed holds its rows: 0 as rows
+// (vocab, hidden), else the columns a panel of a tied lm_head's tiles (embed_row).
 // bufs, each for B rows: residual (hidden), h (hidden), qkv, q as float32 (or K and V for that write: max(q, 2 x KV)
 // heads x head_dim a row), attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x
 // (hidden), all of elem_t except the two float32 ones (unused for a float32 model, whose q and output the kernel
@@ -82,6 +83,19 @@ static inline void timed(double* op_seconds, OneStreamOp op, Call&& call) {
   const double start = seconds_now();
   call();
   op_seconds[op] += seconds_now() - start;
+}
+
+// Token n's embedding into dst (H elements): a row of embed, or (panel > 0) column n of the lm_head's tiles that
+// the embedding reads (pagoda/layers/linear.py's TiledEmbedding and pack_tiles: panels of `panel` columns, each
+// column G consecutive k together, G = 1 in float32, 2 in bfloat16).
+static inline void embed_row(const elem_t* embed, int64_t panel, int64_t n, int64_t H, elem_t* dst) {
+  if (panel == 0) {
+    std::memcpy(dst, embed + n * H, H * sizeof(elem_t));
+    return;
+  }
+  constexpr int64_t G = sizeof(float) / sizeof(elem_t);
+  const elem_t* column = embed + n / panel * ((H + G - 1) / G * G * panel) + n % panel * G;
+  for (int64_t k = 0; k < H; ++k) dst[k] = column[k / G * G * panel + k % G];
 }
 
 extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, int64_t num_layers,
@@ -126,9 +140,7 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
   auto* cos = static_cast<elem_t*>(bufs[11]);
   auto* sin = static_cast<elem_t*>(bufs[12]);
 
-  for (int64_t b = 0; b < B; ++b) {  // the embeddings: the residual stream
-    std::memcpy(residual + b * H, embed + ids[b] * H, H * sizeof(elem_t));
-  }
+  for (int64_t b = 0; b < B; ++b) embed_row(embed, dims[8], ids[b], H, residual + b * H);  // the residual stream
   timed(ts, OP_ROTARY, [&] {  // the rows' cos and sin, as the eager forward indexes them once a step
     for (int64_t b = 0; b < B; ++b) {
       std::memcpy(cos + b * D, cos_table + positions[b] * rotary_stride, D * sizeof(elem_t));

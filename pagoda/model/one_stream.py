@@ -44,6 +44,7 @@ from pagoda.layers.cpp_build import load_library
 from pagoda.layers.linear import (
     GEMV_DTYPES,
     GEMV_MAX_ROWS,
+    TiledEmbedding,
     _gemv_library,
     gemv_function,
     tiles_function,
@@ -151,9 +152,12 @@ class OneStreamForward:
         self._num_layers = len(layers)
         self._cfg = cfg
         kv_as_f32 = dtype == torch.bfloat16 and kv_caches[0].spec.quantized  # an int8 cache's write takes float32
+        embed = model.model.embed_tokens  # its rows, or a tied lm_head's tiles that it reads them from
+        self._embed = embed.tiles if isinstance(embed, TiledEmbedding) else embed.weight
+        embed_panel = self._embed.shape[2] if isinstance(embed, TiledEmbedding) else 0
         self._dims = torch.tensor([cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    cfg.intermediate_size, int(kv_as_f32), mlp_rows,
-                                   int(isinstance(quantized, Q8Linear))], dtype=torch.int64)
+                                   int(isinstance(quantized, Q8Linear)), embed_panel], dtype=torch.int64)
         self.mlp_min_rows = mlp_rows  # the fewest decodes a step has for its MLP to be one call (0: never)
         self.fused_norms = norms  # whether steps run each norm in one call with the linear after it
         self._rows = self._work_floats = 0  # what the scratch buffers hold (_scratch)
@@ -161,7 +165,6 @@ class OneStreamForward:
         self._bufs = (ctypes.c_void_p * _BUFFERS)()
         self._eps = ctypes.c_float(layers[0].input_layernorm.eps)
         self._scale = ctypes.c_float(first_attn.scale)
-        self._embed = model.model.embed_tokens.weight
         self._final_norm = model.model.norm.weight
         rotary = model.model.rotary
         self._cos, self._sin = rotary.cos, rotary.sin

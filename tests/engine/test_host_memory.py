@@ -168,6 +168,8 @@ def test_engine_weights_move_to_huge_pages(scheme: str, monkeypatch: pytest.Monk
     elif scheme != "none":
         quantize_linears(model, scheme)
     before = model.lm_head(model.model(x))
+    ids = torch.tensor([0, 63, 17])
+    rows = model.embed(ids)
     old = [weakref.ref(tiles_of(m)) for m in model.modules() if tiles_of(m) is not None]  # no name bound to one
     old += [weakref.ref(q.w) for q in map(packed_of, model.modules()) if q]
     assert bool(old) == (scheme != "none")
@@ -181,6 +183,7 @@ def test_engine_weights_move_to_huge_pages(scheme: str, monkeypatch: pytest.Monk
     assert moved == sum(t.numel() * t.element_size() for t in tensors)
     assert all(_advised(t.data_ptr()) for t in tensors)
     assert torch.equal(model.lm_head(model.model(x)), before)
+    assert torch.equal(model.embed(ids), rows)  # a TiledEmbedding reads the tiles' new copy
 
 
 @thp

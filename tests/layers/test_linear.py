@@ -161,28 +161,32 @@ def test_bfloat16_tiles_match_float64_linear(portable: bool, n: int, k: int) -> 
             torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
 
 
-def test_tiles_free_the_plain_float32_weights_but_shared_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiles_free_the_plain_float32_weights_and_a_tied_embedding_reads_the_tiles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """prepack_linears frees a float32 layer's plain weight once its tiles take every input (an empty tensor of its
-    dtype stays), keeps one another module shares (a tied lm_head's, which the embedding reads) and, with
-    keep_plain, all of them; the tiles then serve inputs of any leading shape and refuse other dtypes and widths
-    by name; should_prepack counts only the copies that stay; a second prepack_linears leaves the layers as they
-    are."""
+    dtype stays), a tied lm_head's too, the embedding that shared it then reading its rows from the tiles (the same
+    values, bit for bit; out-of-range ids refused); with keep_plain it frees none; the tiles then serve inputs of any
+    leading shape and refuse other dtypes and widths by name; should_prepack counts no copy then; a second
+    prepack_linears leaves the layers as they are."""
     model = nn.Module()
     model.embed = nn.Embedding(48, 64)
     model.proj = nn.Linear(64, 40)
     model.lm_head = nn.Linear(64, 48, bias=False)
     model.lm_head.weight = model.embed.weight
     plain = {name: m.weight.detach().clone() for name, m in (("proj", model.proj), ("lm_head", model.lm_head))}
-    # the auto limit counts the shared weight only (48 x 64 float32), not the one the tiles free
-    monkeypatch.setattr(linear, "PREPACK_AUTO_MAX_BYTES", 48 * 64 * 4)
+    monkeypatch.setattr(linear, "PREPACK_AUTO_MAX_BYTES", 0)  # the tiles leave no copy: not even the tied weight
     assert linear.should_prepack(model, torch.float32, None, compile_model=False)
-    monkeypatch.setattr(linear, "PREPACK_AUTO_MAX_BYTES", 48 * 64 * 4 - 1)
-    assert not linear.should_prepack(model, torch.float32, None, compile_model=False)
     added, _ = linear.prepack_linears(model)
     assert model.proj.weight.numel() == 0 and model.proj.weight.dtype == torch.float32
-    assert model.lm_head.weight is model.embed.weight and torch.equal(model.lm_head.weight, plain["lm_head"])
+    assert isinstance(model.embed, linear.TiledEmbedding) and model.lm_head.weight.numel() == 0
+    assert model.embed.weight is model.lm_head.weight and model.embed.tiles is linear.tiles_of(model.lm_head)
+    ids = torch.tensor([[0, 47, 31], [32, 5, 5]])
+    assert torch.equal(model.embed(ids), plain["lm_head"][ids]) and model.embed(ids[:, :0]).shape == (2, 0, 64)
+    for bad in (48, -1):
+        with pytest.raises(IndexError, match=r"token ids must be in \[0, 48\)"):
+            model.embed(torch.tensor([3, bad]))
     panels = [linear.tiles_of(m) for m in (model.proj, model.lm_head)]
-    assert added == sum(t.numel() for t in panels if t is not None) * 4 - 40 * 64 * 4
+    assert added == sum(t.numel() for t in panels if t is not None) * 4 - (40 + 48) * 64 * 4
     x = torch.randn(2, 3, 64)
     for name, layer in (("proj", model.proj), ("lm_head", model.lm_head)):
         want = F.linear(x.double(), plain[name].double(), None if layer.bias is None else layer.bias.double())
@@ -196,6 +200,37 @@ def test_tiles_free_the_plain_float32_weights_but_shared_ones(monkeypatch: pytes
     kept = nn.Linear(64, 40)
     linear.prepack_linears(nn.Sequential(kept), keep_plain=True)
     assert kept.weight.shape == (40, 64) and linear.tiles_of(kept) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(48, 64), (45, 63), (97, 33)])
+def test_tile_rows_are_the_weights_rows(dtype: torch.dtype, n: int, k: int) -> None:
+    """tile_rows gives weight[ids] from pack_tiles's layout: part last panels, odd widths (bfloat16's pairs)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    for panel in (16, 32):
+        ids = torch.randint(0, n, (3, 7), generator=g)
+        ids[0, :2] = torch.tensor([0, n - 1])
+        rows = linear.tile_rows(linear.pack_tiles(w, panel), ids, k)
+        assert rows.shape == (3, 7, k) and rows.dtype == dtype and torch.equal(rows, w[ids])
+
+
+def test_a_weight_shared_beyond_embeddings_keeps_its_plain_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tied weight that another linear (or an embedding with max_norm, which rewrites rows) shares stays beside
+    the tiles, and should_prepack counts that copy; keep_plain leaves a tied embedding as it was."""
+    for other in ("linear", "max_norm", "keep_plain"):
+        model = nn.Module()
+        model.embed = nn.Embedding(48, 64, max_norm=1.0 if other == "max_norm" else None)
+        model.lm_head = nn.Linear(64, 48, bias=False)
+        model.lm_head.weight = model.embed.weight
+        if other == "linear":
+            model.twin = nn.Linear(64, 48, bias=False)
+            model.twin.weight = model.embed.weight
+        monkeypatch.setattr(linear, "PREPACK_AUTO_MAX_BYTES", 48 * 64 * 4 - 1)
+        assert linear.should_prepack(model, torch.float32, None, compile_model=False) == (other == "keep_plain")
+        linear.prepack_linears(model, keep_plain=other == "keep_plain")
+        assert isinstance(model.embed, nn.Embedding) and model.lm_head.weight is model.embed.weight
+        assert model.embed.weight.shape == (48, 64) and linear.tiles_of(model.lm_head) is not None
 
 
 def test_float32_packs_for_onednn_without_tiles() -> None:

@@ -288,8 +288,9 @@ def test_decode_steps_on_tiles(tiny_model: tuple[str, Path], dtype: str, kv_cach
     """A float32 model with packed weights (the default), or a bfloat16 one where the build has AVX-512, runs its
     linears on f32_tiles.cpp's kernels at every row count, and so its decode steps of any number of sequences go
     through the one call, lm_head included (the tiny vocabulary of 300 ends in a part panel), with the eager
-    forward's tokens and logprobs, exactly."""
-    from pagoda.layers.linear import tiles_library, tiles_of
+    forward's tokens and logprobs, exactly. The tiny qwen2's tied embedding reads its rows from the lm_head's tiles,
+    in the call as in the eager forward."""
+    from pagoda.layers.linear import TiledEmbedding, tiles_library, tiles_of
 
     arch, folder = tiny_model
     if arch == "qwen3":
@@ -301,6 +302,7 @@ def test_decode_steps_on_tiles(tiny_model: tuple[str, Path], dtype: str, kv_cach
     model = llm.engine.model
     forward = model.one_stream_forward
     assert tiles_of(model.lm_head) is not None and forward is not None and forward.max_rows > 64
+    assert isinstance(model.model.embed_tokens, TiledEmbedding) == (arch == "qwen2")
     n = 9
     generate = _many_decodes(llm, n, seed=5)
     rows: list[int] = []
