@@ -44,12 +44,15 @@ ARCHS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
+def make_tiny_model(folder: Path, arch: str, seed: int = 0, vocab: int = TINY_VOCAB, q8_embedding: bool = False
+                    ) -> Path:
+    """A tiny random model of the arch saved to folder; q8_embedding: its embedding rounded to Q8_0 values, as the
+    default model's is (Q8_0 in its GGUF file)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(ARCHS[arch])
     model_type = spec.pop("model_type")
-    cfg = AutoConfig.for_model(model_type, vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+    cfg = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=64, intermediate_size=128,
                                num_hidden_layers=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
                                bos_token_id=256, eos_token_id=257, initializer_range=0.2, **spec)
     torch.manual_seed(seed)
@@ -58,6 +61,13 @@ def make_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.2)
+    if q8_embedding:
+        from pagoda.layers.q4_linear import QK, quantize_q8_0
+
+        w = model.model.embed_tokens.weight
+        q, d = quantize_q8_0(w)
+        with torch.no_grad():
+            w.copy_((d[..., None] * q.reshape(*d.shape, QK).float()).reshape(w.shape))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     write_byte_tokenizer(folder)

@@ -27,10 +27,10 @@ rest. (Float32 on oneDNN's packing, for the fallback: 1.30-1.56x F.linear at 4-3
 
 Memory: a layer's tiles replace its plain weight, which is freed (an empty tensor stays, for code that looks at
 dtypes, as with --quantization). A tied lm_head's weight is the embedding's rows: the embedding is then replaced by
-a TiledEmbedding, which reads its rows from the lm_head's tiles (row n is the lm_head's output n), so that weight is
-freed too (the default model: 108 MiB in float32, 54 in bfloat16); a weight that anything else shares stays. A
-layer on oneDNN's packing keeps its plain weight next to it, for the GEMV and for steps beyond PACKED_ROWS: twice
-the weight memory. Results differ from F.linear by float rounding only.
+a TiedEmbedding (tied_embedding.py), which reads its rows from the lm_head's tiles (row n is the lm_head's output
+n), so that weight is freed too (the default model: 108 MiB in float32, 54 in bfloat16); a weight that anything
+else shares stays. A layer on oneDNN's packing keeps its plain weight next to it, for the GEMV and for steps beyond
+PACKED_ROWS: twice the weight memory. Results differ from F.linear by float rounding only.
 Not combined with --compile-model, whose graph would have to branch on the token count.
 
 For one stream (1-GEMV_MAX_ROWS rows) of a bfloat16 model, oneDNN packed or not reads the weights at about
@@ -56,6 +56,7 @@ from torch import nn
 
 from pagoda.layers.cpp_build import load_library
 from pagoda.layers.q4_linear import is_quantized
+from pagoda.layers.tied_embedding import TILES, tie_to_packed, tied_embeddings
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +128,15 @@ def is_packed(layer: nn.Module) -> bool:
 
 
 def tiles_of(layer: nn.Module) -> torch.Tensor | None:
-    """A float32 layer's weight packed for f32_tiles.cpp (prepack_linears), or None."""
+    """A float32 or bfloat16 layer's weight packed for f32_tiles.cpp (prepack_linears), or None."""
     return getattr(layer, "_pagoda_tiles", None)
+
+
+def _tiles_or_raise(layer: nn.Module) -> torch.Tensor:
+    tiles = tiles_of(layer)
+    if tiles is None:
+        raise RuntimeError("a tied embedding's linear has lost its tiles")
+    return tiles
 
 
 _GEMV_SOURCE = Path(__file__).with_name("gemv.cpp")
@@ -214,7 +222,7 @@ def should_prepack(model: nn.Module, dtype: torch.dtype, asked: bool | None, com
     lib = _tiles_library_or_none(layers)
     tiled = [m for m in layers if _tiles_fit(m, lib)]
     onednn = [m for m in layers if not _tiles_fit(m, lib) and packable_rows(m.weight.dtype) is not None]
-    copies = onednn + [m for m in tiled if _tied_embeddings(model, m) is None]
+    copies = onednn + [m for m in tiled if tied_embeddings(model, m) is None]
     copy = sum(m.weight.numel() * m.weight.element_size() for m in copies)
     return bool(tiled or onednn) and copy <= PREPACK_AUTO_MAX_BYTES
 
@@ -291,51 +299,13 @@ def _tiles_fit(layer: nn.Linear, lib: Any) -> bool:
     return tiles_take(lib, w.dtype) and (bias is None or (bias.dtype == w.dtype and bias.is_contiguous()))
 
 
-def _tied_embeddings(model: nn.Module, layer: nn.Linear) -> list[tuple[nn.Module, str, nn.Embedding]] | None:
-    """The embeddings that hold the layer's weight as theirs (a tied lm_head's), each with its parent module and
-    name there: [] where nothing else holds it, None where something other than a plain embedding does (one with
-    max_norm, which rewrites its rows, or any other module or parameter slot)."""
-    w = layer.weight
-    holders = sum(p is w for _, p in model.named_parameters(remove_duplicate=False))
-    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if child is not layer and isinstance(child, nn.Embedding) and child.weight is w]
-    if holders != 1 + len(found) or any(e.max_norm is not None for _, _, e in found):
-        return None
-    return found
-
-
 def tile_rows(tiles: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     """Rows ids of the (N, k) weight that pack_tiles packed into tiles, as weight[ids] gives them: (*ids.shape, k);
-    ids must be in [0, N) (TiledEmbedding checks)."""
+    ids must be in [0, N) (TiedEmbedding checks)."""
     panel = tiles.shape[2]
     grouped = tiles.view(tiles.shape[0], tiles.shape[1], panel, -1)  # float32 one k a column, bfloat16 a pair
     rows = grouped[ids // panel, :, ids % panel]  # (*ids.shape, k or its pairs, 1 or 2)
     return rows.flatten(-2)[..., :k]
-
-
-class TiledEmbedding(nn.Module):
-    """An embedding tied to a linear on tiles (a tied lm_head) that reads its rows from the linear's tiles, so that
-    the weight they share can be freed (prepack_linears): the values the weight held, bit for bit. `weight` is the
-    linear's (empty) parameter, for code that asks the embedding's dtype; the tiles are looked up at each call, since
-    move_weights_to_huge_pages replaces them."""
-
-    def __init__(self, linear: nn.Linear, embedding: nn.Embedding) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        self.weight = linear.weight
-        self._linear = (linear,)  # not a submodule: the model holds it already
-
-    @property
-    def tiles(self) -> torch.Tensor:
-        tiles = tiles_of(self._linear[0])
-        assert tiles is not None, "a TiledEmbedding's linear lost its tiles"
-        return tiles
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise IndexError(f"token ids must be in [0, {self.num_embeddings}); got {int(ids.min())} to "
-                             f"{int(ids.max())}")
-        return tile_rows(self.tiles, ids, self.embedding_dim)
 
 
 def _tiles_library_or_none(layers: list[nn.Linear]) -> Any:
@@ -355,7 +325,7 @@ def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = Fal
     serve ((0, None) if none was packed). The weights the tile kernels take (_tiles_fit: float32, and bfloat16 in
     AVX-512 builds) are packed in panels for them, which then take every step (TILE_ROWS), and their plain weights
     are freed (an empty tensor of their dtype stays), a tied embedding then reading its rows from the tiles
-    (TiledEmbedding), unless a module other than an embedding shares them or keep_plain (for benchmarks that time
+    (TiedEmbedding), unless a module other than an embedding shares them or keep_plain (for benchmarks that time
     both sides). The others, and all where the kernels cannot
     be built (logged) or with tiles=False, are packed for oneDNN where it packs their dtype on this CPU
     (packable_rows: for PACKED_ROWS[dtype]), next to the plain weight, else left alone."""
@@ -373,12 +343,10 @@ def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = Fal
             module._pagoda_tiles_call = _tiles_call(  # type: ignore[assignment]
                 lib, module.out_features, module.in_features, w.dtype)
             used = TILE_ROWS
-            embeddings = None if keep_plain else _tied_embeddings(model, module)
+            embeddings = None if keep_plain else tied_embeddings(model, module)
             if embeddings is not None:
-                added -= w.numel() * w.element_size()
-                module.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
-                for parent, name, embedding in embeddings:
-                    setattr(parent, name, TiledEmbedding(module, embedding))
+                added -= tie_to_packed(module, embeddings, functools.partial(_tiles_or_raise, module), tile_rows,
+                                       TILES)
         else:
             packed = module._pagoda_packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)  # type: ignore[assignment]
             used = onednn_rows

@@ -20,8 +20,9 @@ multiple of 16, float32 models only. The output projection (lm_head) gets Q8_0 w
 block of 32), against the same int8 activations: in the default model it is the token embedding, stored as Q8_0
 in the file (so again the file's own weights, bit for bit), and llama.cpp runs it so; 4 bits would add error
 where the file has none. The float32 copies of the decoder layers' weights are freed (the default model: 405
-MiB of float32 weights for 63 MiB packed); the lm_head's stays, as it is often the embedding's too (+29 MiB
-packed).
+MiB of float32 weights for 63 MiB packed), and the lm_head's: where it is the token embedding too, only if its
+Q8_0 records hold it exactly (the default model's, Q8_0 in the file), the embedding then reading its rows from them
+(tied_embedding.py: 108 MiB less); otherwise it stays, for the embedding (+29 MiB packed).
 
 The packed weights keep the file's bytes a weight (0.625 for Q4_1, 1.0625 for Q8_0: d and m float16), in one
 record per 16 output columns and block of 32 (q, then the scales): a thread's tiles are one contiguous stream.
@@ -40,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from pagoda.layers.cpp_build import load_library
+from pagoda.layers.tied_embedding import Q8_0, tie_to_packed, tied_embeddings
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +164,16 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     # q[n = 16 t + 8 h + c][k = 32 b + 4 g + i] -> (t, b, g, h, c, i)
     packed = q.reshape(tiles, NR // 8, 8, nb, 8, 4).permute(0, 3, 4, 1, 2, 5).contiguous().view(torch.uint8)
     return torch.cat([packed.reshape(tiles, nb, NR * QK), _scale_bytes(d, tiles, nb)], dim=-1)
+
+
+def q8_0_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows ids (output columns) of the weight pack_q8_0 packed, as float32 d * q: (*ids.shape, k)."""
+    tiles, nb, _ = packed.shape
+    q = packed[..., :NR * QK].view(torch.int8).view(tiles, nb, QK // 4, NR // 8, 8, 4)  # (t, b, g, h, c, i)
+    d = packed[..., NR * QK:].view(torch.float16)  # (t, b, column)
+    col = ids % NR
+    rows = q[ids // NR, :, :, col // 8, col % 8].flatten(-2)  # (*ids.shape, b, 32)
+    return (d[ids // NR, :, col].float()[..., None] * rows.float()).flatten(-2)[..., :k]
 
 
 # Steps of at least this many rows take a packed gate_up projection fused with SiLU-and-multiply (PackedLinear.silu_mul)
@@ -317,10 +329,11 @@ SCHEMES: dict[str, type[PackedLinear]] = {"q4_1": Q4Linear, "q8_0": Q8Linear}
 
 def quantize_linears(model: nn.Module, scheme: str = "q4_1", portable: bool = False) -> tuple[int, int, float]:
     """Give the decoder layers' float32 linears (quantizable) packed weights of the scheme, Q4_1 (4 bits) or Q8_0
-    (8 bits), and free their float copies, and the lm_head Q8_0 weights in both (its float weight stays: it is often
-    the token embedding too); returns (layers quantized, bytes of their packed weights, seconds taken, compile
-    included). Raises if the kernels cannot be compiled: the user asked for this format, and a silent float32
-    fallback would report the wrong numbers."""
+    (8 bits), and the lm_head Q8_0 weights in both, and free their float copies, except one that another module
+    shares: a tied lm_head's stays for the token embedding unless its Q8_0 records hold it exactly (then the
+    embedding reads its rows from them, tied_embedding.py); returns (layers quantized, bytes of their packed
+    weights, seconds taken, compile included). Raises if the kernels cannot be compiled: the user asked for this
+    format, and a silent float32 fallback would report the wrong numbers."""
     if scheme not in SCHEMES:
         raise ValueError(f"quantization scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
     start = time.perf_counter()
@@ -337,11 +350,21 @@ def quantize_linears(model: nn.Module, scheme: str = "q4_1", portable: bool = Fa
         layer._pagoda_packed_linear = packed  # type: ignore[assignment]
         layer.forward = packed  # type: ignore[method-assign,assignment]
         total += packed.nbytes()
-        if not lm_head:
+        embeddings = tied_embeddings(model, layer)
+        if embeddings == []:  # nothing else holds it
             # the float copy is not read again: an empty tensor keeps the attribute for code that looks at dtypes
             layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+        elif embeddings and lm_head and torch.equal(
+                q8_0_rows(packed.w, torch.arange(layer.out_features), layer.in_features), layer.weight):
+            # a tied lm_head whose weight was Q8_0 already (the default model's, from its file): the embedding reads
+            # its rows from the records
+            tie_to_packed(layer, embeddings, functools.partial(_records, packed), q8_0_rows, Q8_0)
         count += 1
     return count, total, time.perf_counter() - start
+
+
+def _records(packed: PackedLinear) -> torch.Tensor:
+    return packed.w  # at the call: move_weights_to_huge_pages replaces it
 
 
 def packed_of(layer: nn.Module) -> PackedLinear | None:

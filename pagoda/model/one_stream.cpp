@@ -52,8 +52,8 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
 // scales (null for caches without them).
 // dims: hidden, q heads, KV heads, head_dim, intermediate, 1 where a bfloat16 model's K and V rows go to the cache
 // write as float32 (an int8 cache's write quantizes float32 rows; the eager path converts them too) else 0, the fewest
-// rows that take the MLP in one call (0: never), that call's q8 argument, and how embed holds its rows: 0 as rows
-// (vocab, hidden), else the columns a panel of a tied lm_head's tiles (embed_row).
+// rows that take the MLP in one call (0: never), that call's q8 argument, how embed holds its rows (embed_row's
+// layout) and, for tiles, the columns a panel.
 // bufs, each for B rows: residual (hidden), h (hidden), qkv, q as float32 (or K and V for that write: max(q, 2 x KV)
 // heads x head_dim a row), attention out as float32, attention out, o (hidden), gate_up, act (intermediate), x
 // (hidden), all of elem_t except the two float32 ones (unused for a float32 model, whose q and output the kernel
@@ -85,22 +85,38 @@ static inline void timed(double* op_seconds, OneStreamOp op, Call&& call) {
   op_seconds[op] += seconds_now() - start;
 }
 
-// Token n's embedding into dst (H elements): a row of embed, or (panel > 0) column n of the lm_head's tiles that
-// the embedding reads (pagoda/layers/linear.py's TiledEmbedding and pack_tiles: panels of `panel` columns, each
-// column G consecutive k together, G = 1 in float32, 2 in bfloat16).
-static inline void embed_row(const elem_t* embed, int64_t panel, int64_t n, int64_t H, elem_t* dst) {
-  if (panel == 0) {
-    std::memcpy(dst, embed + n * H, H * sizeof(elem_t));
-    return;
+// Token n's embedding into dst (H elements), by layout (pagoda/layers/tied_embedding.py's ROWS, TILES, Q8_0): a
+// row of embed (vocab, H); or column n of a tied lm_head's tiles that the embedding reads (linear.py's pack_tiles:
+// panels of `panel` columns, each column G consecutive k together, G = 1 in float32, 2 in bfloat16); or, in float32,
+// column n of its Q8_0 records (q4_linear.py's pack_q8_0: per 16 columns and block of 32 k, 512 bytes of q as
+// (g 8, h 2, c 8, i 4) for column 8 h + c and k 4 g + i, then the 16 columns' d as float16), as d * q.
+static inline void embed_row(const void* embed, int64_t layout, int64_t panel, int64_t n, int64_t H, elem_t* dst) {
+  const auto* rows = static_cast<const elem_t*>(embed);
+  if (layout == 0) {
+    std::memcpy(dst, rows + n * H, H * sizeof(elem_t));
+  } else if (layout == 1) {
+    constexpr int64_t G = sizeof(float) / sizeof(elem_t);
+    const elem_t* column = rows + n / panel * ((H + G - 1) / G * G * panel) + n % panel * G;
+    for (int64_t k = 0; k < H; ++k) dst[k] = column[k / G * G * panel + k % G];
+  } else if constexpr (PAGODA_ELEM == 0) {
+    constexpr int64_t NR = 16, QK = 32, RECORD = NR * QK + 2 * NR;
+    const int64_t nb = H / QK, c = n % NR;
+    const auto* tile = static_cast<const uint8_t*>(embed) + n / NR * nb * RECORD;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* rec = tile + b * RECORD;
+      _Float16 d;
+      std::memcpy(&d, rec + NR * QK + 2 * c, sizeof(d));
+      const auto* q = reinterpret_cast<const int8_t*>(rec) + c / 8 * 32 + c % 8 * 4;
+      for (int64_t g = 0; g < 8; ++g) {
+        for (int64_t i = 0; i < 4; ++i) dst[b * QK + 4 * g + i] = float(d) * float(q[g * 64 + i]);
+      }
+    }
   }
-  constexpr int64_t G = sizeof(float) / sizeof(elem_t);
-  const elem_t* column = embed + n / panel * ((H + G - 1) / G * G * panel) + n % panel * G;
-  for (int64_t k = 0; k < H; ++k) dst[k] = column[k / G * G * panel + k % G];
 }
 
 extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, int64_t num_layers,
                                          const int64_t* dims, float eps, float scale, void* const* bufs, int64_t B,
-                                         const int64_t* ids, const elem_t* embed, const void* final_norm,
+                                         const int64_t* ids, const void* embed, const void* final_norm,
                                          const elem_t* cos_table, const elem_t* sin_table, int64_t rotary_stride,
                                          int64_t max_positions, const int64_t* positions, const int64_t* slots,
                                          const int64_t* block_tables, const int64_t* seq_lens, int64_t W,
@@ -140,7 +156,7 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
   auto* cos = static_cast<elem_t*>(bufs[11]);
   auto* sin = static_cast<elem_t*>(bufs[12]);
 
-  for (int64_t b = 0; b < B; ++b) embed_row(embed, dims[8], ids[b], H, residual + b * H);  // the residual stream
+  for (int64_t b = 0; b < B; ++b) embed_row(embed, dims[8], dims[9], ids[b], H, residual + b * H);  // residual
   timed(ts, OP_ROTARY, [&] {  // the rows' cos and sin, as the eager forward indexes them once a step
     for (int64_t b = 0; b < B; ++b) {
       std::memcpy(cos + b * D, cos_table + positions[b] * rotary_stride, D * sizeof(elem_t));

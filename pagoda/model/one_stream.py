@@ -44,7 +44,6 @@ from pagoda.layers.cpp_build import load_library
 from pagoda.layers.linear import (
     GEMV_DTYPES,
     GEMV_MAX_ROWS,
-    TiledEmbedding,
     _gemv_library,
     gemv_function,
     tiles_function,
@@ -52,6 +51,7 @@ from pagoda.layers.linear import (
     tiles_of,
 )
 from pagoda.layers.q4_linear import Q8Linear, packed_of
+from pagoda.layers.tied_embedding import ROWS, TILES, TiedEmbedding
 
 if TYPE_CHECKING:
     from pagoda.model.llama import DecoderLayer, LlamaForCausalLM
@@ -152,12 +152,14 @@ class OneStreamForward:
         self._num_layers = len(layers)
         self._cfg = cfg
         kv_as_f32 = dtype == torch.bfloat16 and kv_caches[0].spec.quantized  # an int8 cache's write takes float32
-        embed = model.model.embed_tokens  # its rows, or a tied lm_head's tiles that it reads them from
-        self._embed = embed.tiles if isinstance(embed, TiledEmbedding) else embed.weight
-        embed_panel = self._embed.shape[2] if isinstance(embed, TiledEmbedding) else 0
+        embed = model.model.embed_tokens  # its rows, or a tied lm_head's packed weight that it reads them from
+        self._embed = embed.packed if isinstance(embed, TiedEmbedding) else embed.weight
+        embed_layout = embed.layout if isinstance(embed, TiedEmbedding) else ROWS
+        embed_panel = self._embed.shape[2] if embed_layout == TILES else 0
         self._dims = torch.tensor([cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    cfg.intermediate_size, int(kv_as_f32), mlp_rows,
-                                   int(isinstance(quantized, Q8Linear)), embed_panel], dtype=torch.int64)
+                                   int(isinstance(quantized, Q8Linear)), embed_layout, embed_panel],
+                                  dtype=torch.int64)
         self.mlp_min_rows = mlp_rows  # the fewest decodes a step has for its MLP to be one call (0: never)
         self.fused_norms = norms  # whether steps run each norm in one call with the linear after it
         self._rows = self._work_floats = 0  # what the scratch buffers hold (_scratch)

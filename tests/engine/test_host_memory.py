@@ -183,7 +183,7 @@ def test_engine_weights_move_to_huge_pages(scheme: str, monkeypatch: pytest.Monk
     assert moved == sum(t.numel() * t.element_size() for t in tensors)
     assert all(_advised(t.data_ptr()) for t in tensors)
     assert torch.equal(model.lm_head(model.model(x)), before)
-    assert torch.equal(model.embed(ids), rows)  # a TiledEmbedding reads the tiles' new copy
+    assert torch.equal(model.embed(ids), rows)  # a TiedEmbedding reads the tiles' new copy
 
 
 @thp

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.layers import linear
+from pagoda.layers.tied_embedding import TiedEmbedding
 
 BF16_TILES = bool(linear.tiles_library().pagoda_bf16_tiles_enabled())  # builds with AVX-512
 
@@ -178,8 +179,8 @@ def test_tiles_free_the_plain_float32_weights_and_a_tied_embedding_reads_the_til
     assert linear.should_prepack(model, torch.float32, None, compile_model=False)
     added, _ = linear.prepack_linears(model)
     assert model.proj.weight.numel() == 0 and model.proj.weight.dtype == torch.float32
-    assert isinstance(model.embed, linear.TiledEmbedding) and model.lm_head.weight.numel() == 0
-    assert model.embed.weight is model.lm_head.weight and model.embed.tiles is linear.tiles_of(model.lm_head)
+    assert isinstance(model.embed, TiedEmbedding) and model.lm_head.weight.numel() == 0
+    assert model.embed.weight is model.lm_head.weight and model.embed.packed is linear.tiles_of(model.lm_head)
     ids = torch.tensor([[0, 47, 31], [32, 5, 5]])
     assert torch.equal(model.embed(ids), plain["lm_head"][ids]) and model.embed(ids[:, :0]).shape == (2, 0, 64)
     for bad in (48, -1):

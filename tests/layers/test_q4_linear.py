@@ -343,8 +343,8 @@ def test_default_model_q4_1_weights_come_back_exactly() -> None:
 
 
 def test_quantize_linears_frees_the_float_weights_and_other_paths_leave_them_alone() -> None:
-    """Widths that do not tile stay float; the lm_head gets Q8_0 and keeps its float weight (often the
-    embedding's); the quantized ones keep their forward after enable_gemv and prepack_linears."""
+    """Widths that do not tile stay float; the lm_head gets Q8_0 and (untied) its float weight is freed too; the
+    quantized ones keep their forward after enable_gemv and prepack_linears."""
     model = nn.Module()
     model.block = nn.Sequential(nn.Linear(64, 32), nn.Linear(64, 20))
     model.lm_head = nn.Linear(64, 48, bias=False)
@@ -354,7 +354,7 @@ def test_quantize_linears_frees_the_float_weights_and_other_paths_leave_them_alo
     assert isinstance(q4_linear.packed_of(model.block[0]), Q4Linear) and model.block[0].weight.numel() == 0
     assert not q4_linear.is_quantized(model.block[1])
     assert q4_linear.is_quantized(model.lm_head) and not isinstance(q4_linear.packed_of(model.lm_head), Q4Linear)
-    assert model.lm_head.weight.shape == (48, 64)
+    assert model.lm_head.weight.numel() == 0
     before = [model.block[0](x), model.lm_head(x)]
     assert linear.should_prepack(model, torch.float32, None, compile_model=False)  # block[1] is still float
     assert not linear.should_prepack(nn.Sequential(model.block[0], model.lm_head), torch.float32, None,
@@ -364,6 +364,45 @@ def test_quantize_linears_frees_the_float_weights_and_other_paths_leave_them_alo
     for layer, out in zip((model.block[0], model.lm_head), before, strict=True):
         assert not linear.is_packed(layer) and getattr(layer, "_pagoda_gemv", None) is None
         assert torch.equal(layer(x), out)
+
+
+def test_q8_0_rows_are_the_weights_rows() -> None:
+    """q8_0_rows reads rows of a Q8_0 weight (the lm_head's: its output columns) from pack_q8_0's records: d * q, the
+    dequantized weight's rows, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    q, d = quantize_q8_0(torch.randn(48, 96, generator=g))
+    w = (d[..., None] * q.reshape(48, 3, QK).float()).reshape(48, 96)
+    ids = torch.tensor([[0, 47, 16], [15, 8, 8]])
+    rows = q4_linear.q8_0_rows(q4_linear.pack_q8_0(q, d), ids, 96)
+    assert rows.dtype == torch.float32 and torch.equal(rows, w[ids])
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_tied_lm_head_frees_the_embedding_where_its_q8_0_records_hold_it(exact: bool) -> None:
+    """A tied lm_head's float weight (the embedding's) is freed where its Q8_0 records hold it exactly (a weight that
+    was Q8_0 already, as the default model's): the embedding then reads its rows from the records, the same values;
+    otherwise it stays. The decoder layers' weights are freed either way."""
+    from pagoda.layers.tied_embedding import Q8_0, TiedEmbedding
+
+    g = torch.Generator().manual_seed(5)
+    model = nn.Module()
+    model.embed = nn.Embedding(48, 64)
+    model.block = nn.Linear(64, 32)
+    model.lm_head = nn.Linear(64, 48, bias=False)
+    with torch.no_grad():
+        w = torch.randn(48, 64, generator=g)
+        if exact:
+            q, d = quantize_q8_0(w)
+            w = (d[..., None] * q.reshape(48, 2, QK).float()).reshape(48, 64)
+        model.embed.weight.copy_(w)
+    model.lm_head.weight = model.embed.weight
+    ids = torch.tensor([3, 47, 0, 16])
+    q4_linear.quantize_linears(model)
+    assert model.block.weight.numel() == 0 and isinstance(model.embed, TiedEmbedding) == exact
+    assert model.lm_head.weight is model.embed.weight and model.lm_head.weight.numel() == (0 if exact else 48 * 64)
+    assert torch.equal(model.embed(ids), w[ids])
+    if exact:
+        assert model.embed.layout == Q8_0 and model.embed.packed is q4_linear.packed_of(model.lm_head).w
 
 
 def test_q8_0_gives_every_quantizable_linear_8_bit_weights() -> None:
@@ -383,7 +422,7 @@ def test_q8_0_gives_every_quantizable_linear_8_bit_weights() -> None:
         x = torch.randn(5, 64, generator=g)
         want = reference_q8_linear(x, *quantize_q8_0(w), bias)
         torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-    assert model.block[0].weight.numel() == 0 and model.lm_head.weight.shape == (48, 64)
+    assert model.block[0].weight.numel() == 0 and model.lm_head.weight.numel() == 0  # untied: freed
     assert not q4_linear.is_quantized(model.block[1])
     with pytest.raises(ValueError, match="quantization scheme must be one of q4_1, q8_0; got 'q2'"):
         q4_linear.quantize_linears(nn.Sequential(nn.Linear(64, 32)), "q2")

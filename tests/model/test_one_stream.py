@@ -290,7 +290,8 @@ def test_decode_steps_on_tiles(tiny_model: tuple[str, Path], dtype: str, kv_cach
     through the one call, lm_head included (the tiny vocabulary of 300 ends in a part panel), with the eager
     forward's tokens and logprobs, exactly. The tiny qwen2's tied embedding reads its rows from the lm_head's tiles,
     in the call as in the eager forward."""
-    from pagoda.layers.linear import TiledEmbedding, tiles_library, tiles_of
+    from pagoda.layers.linear import tiles_library, tiles_of
+    from pagoda.layers.tied_embedding import TiedEmbedding
 
     arch, folder = tiny_model
     if arch == "qwen3":
@@ -302,7 +303,7 @@ def test_decode_steps_on_tiles(tiny_model: tuple[str, Path], dtype: str, kv_cach
     model = llm.engine.model
     forward = model.one_stream_forward
     assert tiles_of(model.lm_head) is not None and forward is not None and forward.max_rows > 64
-    assert isinstance(model.model.embed_tokens, TiledEmbedding) == (arch == "qwen2")
+    assert isinstance(model.model.embed_tokens, TiedEmbedding) == (arch == "qwen2")
     n = 9
     generate = _many_decodes(llm, n, seed=5)
     rows: list[int] = []
@@ -311,6 +312,27 @@ def test_decode_steps_on_tiles(tiny_model: tuple[str, Path], dtype: str, kv_cach
     with_it = generate()
     assert prof.counts["forward/one_call"] == 7 and [r for r in rows if r] == [n] * 7
     assert prof.report()["forward/one_call/lm_head"]["ms_per_step"] > 0  # in the call
+    model.one_stream_forward = None
+    assert generate() == with_it
+
+
+def test_a_q8_0_embedding_read_from_the_lm_heads_records(tmp_path: Path) -> None:
+    """A tied model whose embedding is Q8_0 (as the default model's; here the tiny qwen2's rounded so, its vocabulary
+    whole tiles of 16) under q4_1: the lm_head's Q8_0 records hold the embedding exactly, so its float weight is
+    freed and the embedding reads its rows from the records, in the one call as in the eager forward: the same
+    tokens and logprobs."""
+    from pagoda.layers.tied_embedding import Q8_0, TiedEmbedding
+    from tests.conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "q8", "qwen2", vocab=320, q8_embedding=True)
+    llm = LLM(str(folder), dtype="float32", attention_backend="cpp", enable_prefix_caching=False,
+              quantization="q4_1", max_num_seqs=64)
+    model = llm.engine.model
+    embed = model.model.embed_tokens
+    assert isinstance(embed, TiedEmbedding) and embed.layout == Q8_0 and model.lm_head.weight.numel() == 0
+    assert model.one_stream_forward is not None
+    generate = _many_decodes(llm, 6, seed=4)
+    with_it = generate()
     model.one_stream_forward = None
     assert generate() == with_it
 
