@@ -326,9 +326,9 @@ def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = Fal
     AVX-512 builds) are packed in panels for them, which then take every step (TILE_ROWS), and their plain weights
     are freed (an empty tensor of their dtype stays), a tied embedding then reading its rows from the tiles
     (TiedEmbedding), unless a module other than an embedding shares them or keep_plain (for benchmarks that time
-    both sides). The others, and all where the kernels cannot
-    be built (logged) or with tiles=False, are packed for oneDNN where it packs their dtype on this CPU
-    (packable_rows: for PACKED_ROWS[dtype]), next to the plain weight, else left alone."""
+    both sides). The others, and all where the kernels cannot be built (logged) or with tiles=False, are packed for
+    oneDNN where it packs their dtype on this CPU (packable_rows: for PACKED_ROWS[dtype]), next to the plain weight,
+    else left alone."""
     added, used = 0, None
     layers = [m for m in model.modules() if _packable(m)]
     lib: Any = _tiles_library_or_none(layers) if tiles else None

@@ -36,8 +36,8 @@ def tied_embeddings(model: nn.Module, layer: nn.Linear) -> list[tuple[nn.Module,
 class TiedEmbedding(nn.Module):
     """An embedding whose rows come from its tied linear's packed weight: rows(packed(), ids, dim) gives weight[ids]
     as the freed weight held it; packed() is looked up at each call (move_weights_to_huge_pages replaces the packed
-    tensors); layout (TILES or Q8_0) and, for TILES, the panel's columns tell the one-call forward how to read it.
-    `weight` is the linear's (empty) parameter, for code that asks the embedding's dtype."""
+    tensors); layout (TILES or Q8_0) tells the one-call forward how to read it. `weight` is the linear's (empty)
+    parameter, for code that asks the embedding's dtype."""
 
     def __init__(self, embedding: nn.Embedding, linear: nn.Linear, packed: Callable[[], torch.Tensor],
                  rows: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], layout: int) -> None:
