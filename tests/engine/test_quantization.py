@@ -35,6 +35,7 @@ from pagoda.layers.q4_linear import (
     quantize_q4_1,
     quantize_q8_0,
 )
+from pagoda.layers.tied_embedding import TiedEmbedding
 from pagoda.model.loader import resolve_model_path
 from tests.engine.test_smollm2 import corpus_text
 from tests.layers.test_q4_linear import reference_bf16_linear, reference_linear, reference_q8_linear
@@ -130,18 +131,22 @@ def test_q8_0_on_the_default_model() -> None:
     """quantization="q8_0": every decoder linear runs Q8_0 weights (the file's Q4_1 weights re-quantized to 8 bits)
     computing the reference arithmetic, and the teacher-forced predictions stay close to float32's. Measured on
     2,044 positions (`bench.dtype_accuracy --quantization q8_0`, BENCHMARKS.md): 96.3% same top-1, mean |logprob
-    change| 0.079 (q4_1: 92.8%, 0.139); a layer computing the wrong thing drops far below the bounds here."""
+    change| 0.079 (q4_1: 92.8%, 0.139); a layer computing the wrong thing drops far below the bounds here. The
+    lm_head's Q8_0 records are the file's embedding, so the embedding reads its rows from them, the same values."""
     plain = LLM(kv_cache_memory="64MiB", prepack_weights=False)  # its float weights stay (the tiles free them)
     q8 = LLM(quantization="q8_0", kv_cache_memory="64MiB")
     g = torch.Generator().manual_seed(1)
     lm_head = ("lm_head", plain.engine.model.lm_head, q8.engine.model.lm_head)
     for name, float_layer, q8_layer in [*decoder_linears(plain, q8), lm_head]:
         assert isinstance(packed_of(q8_layer), Q8Linear), name
-        assert q8_layer.weight.numel() == (0 if name != "lm_head" else float_layer.weight.numel()), name
+        assert q8_layer.weight.numel() == 0, name  # the lm_head's too: its Q8_0 records hold the file's embedding
         x = torch.randn(3, float_layer.in_features, generator=g)
         want = reference_q8_linear(x, *quantize_q8_0(float_layer.weight), None)
         torch.testing.assert_close(q8_layer(x).double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     ids = q8.get_tokenizer().encode(corpus_text())[:TOKENS]
+    embed = q8.engine.model.model.embed_tokens  # reads its rows from the lm_head's records: the file's, exactly
+    assert isinstance(embed, TiedEmbedding) and torch.equal(embed(torch.tensor(ids)),
+                                                             plain.engine.model.model.embed_tokens(torch.tensor(ids)))
     (lp, top), (ref_lp, ref_top) = prompt_scores(q8, [ids]), prompt_scores(plain, [ids])
     change = float((torch.tensor(lp) - torch.tensor(ref_lp)).abs().mean())
     agree = float((torch.tensor(top) == torch.tensor(ref_top)).double().mean())
