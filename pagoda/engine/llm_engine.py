@@ -6,6 +6,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -22,7 +23,13 @@ from pagoda.outputs import RequestOutput
 from pagoda.profiler import NULL_PROFILER, StepProfiler
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.host_memory import huge_pages_enabled, keep_freed_memory, move_to_huge_pages, release_free_heap
+from pagoda.worker.host_memory import (
+    HeapReleaser,
+    huge_page_tensors,
+    huge_pages_enabled,
+    keep_freed_memory,
+    release_free_heap,
+)
 from pagoda.worker.kv_cache import KVCachePlan, allocate_kv_cache, default_kv_cache_memory, plan_kv_cache
 from pagoda.worker.model_runner import ModelRunner
 from pagoda.worker.offload import OffloadStore
@@ -52,26 +59,30 @@ class EngineStats:
     kv_slots_held: int = 0
 
 
-def move_weights_to_huge_pages(model: nn.Module) -> int:
+def move_weights_to_huge_pages(model: nn.Module, release_every: int = 64 << 20) -> int:
     """Copy the model's parameters, packed weights (--quantization) and tiles (prepack_linears) into one
-    huge-page region (host_memory.move_to_huge_pages: a decode step streams through all of them), free the old
-    copies, and return the bytes moved. Call before anything keeps a weight's address (the fused and one-call
-    paths). The tiles on 4 KiB pages had made one float32 stream's step 1.45x slower than the GEMV's on huge pages
-    (the hardware prefetchers stop at each page's end; BENCHMARKS.md, "Float32 linears on tiles of our own")."""
+    huge-page region (host_memory.huge_page_tensors: a decode step streams through all of them), each old copy
+    dropped as its new one takes its place and the free heap handed back before and every release_every bytes
+    moved (HeapReleaser), and return the bytes moved. Call before anything keeps a weight's address (the fused and
+    one-call paths). The tiles on 4 KiB pages had made one float32 stream's step 1.45x slower than the GEMV's on huge
+    pages (the hardware prefetchers stop at each page's end; BENCHMARKS.md, "Float32 linears on tiles of our own").
+    Copying everything first and freeing after had made the move the start-up's peak: float32 1,611 MiB resident
+    against 1,241 while loading."""
     params = [p for p in model.parameters() if p.numel()]  # tied weights once
     packed = [q for q in map(packed_of, model.modules()) if q is not None]
     tiled = [m for m in model.modules() if tiles_of(m) is not None]
-    old = [p.data for p in params] + [q.w for q in packed] + [t for t in map(tiles_of, tiled) if t is not None]
-    copies = move_to_huge_pages(old)
-    del old  # else the old tiles outlive release_free_heap below and stay resident (keep_freed_memory)
-    for p, copy in zip(params, copies[:len(params)], strict=True):
-        p.data = copy
-    for q, copy in zip(packed, copies[len(params):len(params) + len(packed)], strict=True):
-        q.w = copy
-    for m, copy in zip(tiled, copies[len(params) + len(packed):], strict=True):
-        m._pagoda_tiles = copy
-    release_free_heap()  # the old copies are free by now
-    return sum(c.numel() * c.element_size() for c in copies)
+    owners: list[tuple[Any, str]] = [(p, "data") for p in params] + [(q, "w") for q in packed] + \
+        [(m, "_pagoda_tiles") for m in tiled]
+    release_free_heap()  # first the holes the load and the packing left (their copies of the weights freed)
+    slots = huge_page_tensors((getattr(o, a).shape, getattr(o, a).dtype) for o, a in owners)
+    moved, releaser = 0, HeapReleaser(release_every)
+    for (owner, attr), slot in zip(owners, slots, strict=True):
+        slot.copy_(getattr(owner, attr))
+        setattr(owner, attr, slot)  # nothing else holds the old copy: it is freed here
+        moved += slot.numel() * slot.element_size()
+        releaser.freed(slot.numel() * slot.element_size())
+    release_free_heap()
+    return moved
 
 
 class LLMEngine:
@@ -94,13 +105,13 @@ class LLMEngine:
         self.compile_seconds = backend.warmup(caches[0], self.arch.num_heads, mc.torch_dtype, self.arch.head_dim**-0.5)
         self.attention_backend = backend.name  # after warm-up: the backend actually in use
         if mc.quantization != "none":  # before the paths below, which then leave these layers alone
-            count, nbytes, seconds = quantize_linears(self.model, mc.quantization)
+            count, nbytes, seconds = quantize_linears(self.model, mc.quantization, freed=HeapReleaser().freed)
             self.compile_seconds += seconds
             logger.info("quantization %s: %d linear layers, %.1f MiB of packed weights", mc.quantization, count,
                         nbytes / 2**20)
         # before the huge pages, which take the tiles too
         if should_prepack(self.model, mc.torch_dtype, mc.prepack_weights, mc.compile_model):
-            added, rows = prepack_linears(self.model)
+            added, rows = prepack_linears(self.model, freed=HeapReleaser().freed)
             if rows is not None:
                 upto = f"-{rows.stop - 1}" if rows.stop < 1 << 31 else " or more"
                 logger.info("prepacked linear weights for steps of %d%s tokens: %.1f MiB more (the plain weights "

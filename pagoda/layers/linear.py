@@ -319,7 +319,8 @@ def _tiles_library_or_none(layers: list[nn.Linear]) -> Any:
         return None
 
 
-def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = False) -> tuple[int, range | None]:
+def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = False,
+                    freed: Callable[[int], None] | None = None) -> tuple[int, range | None]:
     """Gives every float32 or bfloat16 nn.Linear of the model a packed copy of its weight; returns the bytes this
     adds to the model's memory (the packed copies less the plain weights freed) and the rows the packed weights
     serve ((0, None) if none was packed). The weights the tile kernels take (_tiles_fit: float32, and bfloat16 in
@@ -328,7 +329,8 @@ def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = Fal
     (TiedEmbedding), unless a module other than an embedding shares them or keep_plain (for benchmarks that time
     both sides). The others, and all where the kernels cannot be built (logged) or with tiles=False, are packed for
     oneDNN where it packs their dtype on this CPU (packable_rows: for PACKED_ROWS[dtype]), next to the plain weight,
-    else left alone."""
+    else left alone. freed, if given, is told the bytes of each plain weight freed (the engine hands the heap back as
+    they add up)."""
     added, used = 0, None
     layers = [m for m in model.modules() if _packable(m)]
     lib: Any = _tiles_library_or_none(layers) if tiles else None
@@ -345,8 +347,11 @@ def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = Fal
             used = TILE_ROWS
             embeddings = None if keep_plain else tied_embeddings(model, module)
             if embeddings is not None:
-                added -= tie_to_packed(module, embeddings, functools.partial(_tiles_or_raise, module), tile_rows,
+                nbytes = tie_to_packed(module, embeddings, functools.partial(_tiles_or_raise, module), tile_rows,
                                        TILES)
+                added -= nbytes
+                if freed is not None:
+                    freed(nbytes)
         else:
             packed = module._pagoda_packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)  # type: ignore[assignment]
             used = onednn_rows

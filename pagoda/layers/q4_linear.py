@@ -34,6 +34,7 @@ import ctypes
 import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -327,12 +328,14 @@ def quantizable(layer: nn.Linear) -> bool:
 SCHEMES: dict[str, type[PackedLinear]] = {"q4_1": Q4Linear, "q8_0": Q8Linear}
 
 
-def quantize_linears(model: nn.Module, scheme: str = "q4_1", portable: bool = False) -> tuple[int, int, float]:
+def quantize_linears(model: nn.Module, scheme: str = "q4_1", portable: bool = False,
+                     freed: Callable[[int], None] | None = None) -> tuple[int, int, float]:
     """Give the decoder layers' float32 linears (quantizable) packed weights of the scheme, Q4_1 (4 bits) or Q8_0
     (8 bits), and the lm_head Q8_0 weights in both, and free their float copies, except one that another module
     shares: a tied lm_head's stays for the token embedding unless its Q8_0 records hold it exactly (then the
     embedding reads its rows from them, tied_embedding.py); returns (layers quantized, bytes of their packed
-    weights, seconds taken, compile included). Raises if the kernels cannot be compiled: the user asked for this
+    weights, seconds taken, compile included); freed, if given, is told the bytes of each float weight freed (the
+    engine hands the heap back as they add up). Raises if the kernels cannot be compiled: the user asked for this
     format, and a silent float32 fallback would report the wrong numbers."""
     if scheme not in SCHEMES:
         raise ValueError(f"quantization scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
@@ -350,17 +353,28 @@ def quantize_linears(model: nn.Module, scheme: str = "q4_1", portable: bool = Fa
         layer._pagoda_packed_linear = packed  # type: ignore[assignment]
         layer.forward = packed  # type: ignore[method-assign,assignment]
         total += packed.nbytes()
-        embeddings = tied_embeddings(model, layer)
+        embeddings, nbytes = tied_embeddings(model, layer), layer.weight.numel() * layer.weight.element_size()
         if embeddings == []:  # nothing else holds it
             # the float copy is not read again: an empty tensor keeps the attribute for code that looks at dtypes
             layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
-        elif embeddings and lm_head and torch.equal(
-                q8_0_rows(packed.w, torch.arange(layer.out_features), layer.in_features), layer.weight):
+        elif embeddings and lm_head and _holds_exactly(packed.w, layer.weight):
             # a tied lm_head whose weight was Q8_0 already (the default model's, from its file): the embedding reads
             # its rows from the records
             tie_to_packed(layer, embeddings, functools.partial(_records, packed), q8_0_rows, Q8_0)
+        else:
+            nbytes = 0  # kept
+        if freed is not None:
+            freed(nbytes)
         count += 1
     return count, total, time.perf_counter() - start
+
+
+def _holds_exactly(records: torch.Tensor, weight: torch.Tensor, rows: int = 4096) -> bool:
+    """Whether Q8_0 records (pack_q8_0) give the weight's values exactly; read rows at a time (the whole default
+    lm_head at once took ~250 MB of temporaries, which became the start-up's peak under --quantization)."""
+    n, k = weight.shape
+    return all(torch.equal(q8_0_rows(records, torch.arange(s, min(n, s + rows)), k), weight[s:s + rows])
+               for s in range(0, n, rows))
 
 
 def _records(packed: PackedLinear) -> torch.Tensor:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import mmap
 import os
 from collections.abc import Iterable
@@ -141,22 +142,43 @@ def touch_pages(t: torch.Tensor) -> None:
     b[-1:].zero_()
 
 
-def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of the tensors (contiguous, same shapes and dtypes), carved one after another, each 64-byte aligned,
-    from one huge_page_zeros region. Call it once at start-up for tensors that stay; free the originals."""
-    tensors = list(tensors)
+def huge_page_tensors(specs: Iterable[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
+    """Tensors of these shapes and dtypes (contiguous, zero until written), carved one after another, each 64-byte
+    aligned, from one huge_page_zeros region: no page is backed until its tensor is written."""
+    specs = list(specs)
     offsets, end = [], 0
-    for t in tensors:
+    for shape, dtype in specs:
         offsets.append(end)
-        end += -(-t.numel() * t.element_size() // 64) * 64
+        end += -(-math.prod(shape) * dtype.itemsize // 64) * 64
     region = huge_page_zeros(end)
-    copies = []
-    for t, offset in zip(tensors, offsets, strict=True):
-        n = t.numel() * t.element_size()
-        copy = region[offset:offset + n].view(t.dtype).view(t.shape)
+    return [region[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for (shape, dtype), offset in zip(specs, offsets, strict=True)]
+
+
+def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of the tensors (contiguous, same shapes and dtypes) in one region (huge_page_tensors). Call it once at
+    start-up for tensors that stay; free the originals."""
+    tensors = list(tensors)
+    copies = huge_page_tensors((t.shape, t.dtype) for t in tensors)
+    for t, copy in zip(tensors, copies, strict=True):
         copy.copy_(t)
-        copies.append(copy)
     return copies
+
+
+class HeapReleaser:
+    """Hands the free heap back (release_free_heap) each time `every` bytes have been reported freed: a start-up phase
+    that replaces weights one by one (quantize_linears, prepack_linears, the move to huge pages) then gives their old
+    copies back as it goes, instead of keep_freed_memory's settings holding them all until its end (which had made
+    those phases the start-up's peak)."""
+
+    def __init__(self, every: int = 64 << 20) -> None:
+        self.every, self._since = every, 0
+
+    def freed(self, nbytes: int) -> None:
+        self._since += nbytes
+        if self._since >= self.every:
+            release_free_heap()
+            self._since = 0
 
 
 def release_free_heap() -> None:

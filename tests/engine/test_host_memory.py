@@ -143,10 +143,14 @@ def test_move_to_huge_pages_copies_each_tensor(monkeypatch: pytest.MonkeyPatch, 
 
 @thp
 @pytest.mark.parametrize("scheme", ["none", "q8_0", "tiles"])
-def test_engine_weights_move_to_huge_pages(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Parameters, packed quantized weights and float32 tiles move into the huge-page region, and by the time it
-    hands the free heap back to the kernel nothing holds their old copies (else keep_freed_memory's settings keep
-    them resident: the float32 tiles' old copies once stayed, +400 MB of RSS for the default model)."""
+@pytest.mark.parametrize("every", [1, 64 << 20])
+def test_engine_weights_move_to_huge_pages(scheme: str, every: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parameters, packed quantized weights and float32 tiles move into the huge-page region, each old copy dropped
+    as its new one takes its place: whenever the free heap is handed back to the kernel (before, as the moved bytes
+    add up to release_every, and at the end), nothing holds the old copies moved so far (else keep_freed_memory's
+    settings keep them resident: the float32 tiles' old copies once stayed, +400 MB of RSS for the default model),
+    and the move does not wait for the end to drop them (the start-up's peak had been the two copies side by
+    side)."""
     import weakref
 
     from torch import nn
@@ -174,9 +178,16 @@ def test_engine_weights_move_to_huge_pages(scheme: str, monkeypatch: pytest.Monk
     old += [weakref.ref(q.w) for q in map(packed_of, model.modules()) if q]
     assert bool(old) == (scheme != "none")
     released = []
-    monkeypatch.setattr(llm_engine, "release_free_heap", lambda: released.append([r() is None for r in old]))
-    moved = move_weights_to_huge_pages(model)
-    assert released == [[True] * len(old)]
+    record = lambda: released.append([r() is None for r in old])  # noqa: E731
+    monkeypatch.setattr(llm_engine, "release_free_heap", record)
+    monkeypatch.setattr(host_memory, "release_free_heap", record)  # HeapReleaser's
+    moved = move_weights_to_huge_pages(model, release_every=every)
+    assert released[-1] == [True] * len(old)
+    if every == 1:  # a release after each tensor (the parameters first): the old copies die one by one
+        params = len([p for p in model.parameters() if p.numel()])
+        assert [sum(r) for r in released] == [0] * (1 + params) + list(range(1, len(old) + 1)) + [len(old)]
+    else:  # a tiny model: a release before (the holes the packing left) and one at the end
+        assert len(released) == 2
     assert model.lm_head.weight is model.embed.weight
     tensors = [p for p in model.parameters() if p.numel()] + [q.w for q in map(packed_of, model.modules()) if q]
     tensors += [t for m in model.modules() if (t := tiles_of(m)) is not None]

@@ -177,7 +177,9 @@ def test_tiles_free_the_plain_float32_weights_and_a_tied_embedding_reads_the_til
     plain = {name: m.weight.detach().clone() for name, m in (("proj", model.proj), ("lm_head", model.lm_head))}
     monkeypatch.setattr(linear, "PREPACK_AUTO_MAX_BYTES", 0)  # the tiles leave no copy: not even the tied weight
     assert linear.should_prepack(model, torch.float32, None, compile_model=False)
-    added, _ = linear.prepack_linears(model)
+    freed: list[int] = []
+    added, _ = linear.prepack_linears(model, freed=freed.append)
+    assert sorted(freed) == [40 * 64 * 4, 48 * 64 * 4]  # each plain weight's bytes, told as it goes
     assert model.proj.weight.numel() == 0 and model.proj.weight.dtype == torch.float32
     assert isinstance(model.embed, TiedEmbedding) and model.lm_head.weight.numel() == 0
     assert model.embed.weight is model.lm_head.weight and model.embed.packed is linear.tiles_of(model.lm_head)

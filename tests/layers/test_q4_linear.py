@@ -397,7 +397,9 @@ def test_a_tied_lm_head_frees_the_embedding_where_its_q8_0_records_hold_it(exact
         model.embed.weight.copy_(w)
     model.lm_head.weight = model.embed.weight
     ids = torch.tensor([3, 47, 0, 16])
-    q4_linear.quantize_linears(model)
+    freed: list[int] = []
+    q4_linear.quantize_linears(model, freed=freed.append)
+    assert sorted(freed) == sorted([32 * 64 * 4, 48 * 64 * 4 if exact else 0])  # the float weights freed, as it goes
     assert model.block.weight.numel() == 0 and isinstance(model.embed, TiedEmbedding) == exact
     assert model.lm_head.weight is model.embed.weight and model.lm_head.weight.numel() == (0 if exact else 48 * 64)
     assert torch.equal(model.embed(ids), w[ids])

@@ -19,6 +19,7 @@ from gguf.quants import dequantize, quantize
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
+from pagoda.model import gguf_loader
 from pagoda.model.gguf_loader import GGUFModel, load_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -179,8 +180,14 @@ def write_tiny_model(path: Path, case: str, byte_bpe: tuple[list[str], list[str]
 # ---- synthetic round trips --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("chunk", [None, 3])
 @pytest.mark.parametrize("case", sorted(ARCH_CASES))
-def test_tiny_model_round_trips(case: str, tmp_path: Path, byte_bpe: tuple[list[str], list[str]]) -> None:
+def test_tiny_model_round_trips(case: str, chunk: int | None, tmp_path: Path, byte_bpe: tuple[list[str], list[str]],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor back, dequantized exactly; chunk: quantized tensors dequantized that many rows at a time (as the
+    default model's embedding is, 4,096 rows at a time), the same values."""
+    if chunk is not None:
+        monkeypatch.setattr(gguf_loader, "_DEQUANTIZE_ROWS", chunk)
     written = write_tiny_model(tmp_path / "m.gguf", case, byte_bpe)
     model = load_gguf(tmp_path / "m.gguf")
     got = dict(model.tensors())
