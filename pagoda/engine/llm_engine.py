@@ -79,8 +79,9 @@ def move_weights_to_huge_pages(model: nn.Module, release_every: int = 64 << 20) 
     for (owner, attr), slot in zip(owners, slots, strict=True):
         slot.copy_(getattr(owner, attr))
         setattr(owner, attr, slot)  # nothing else holds the old copy: it is freed here
-        moved += slot.numel() * slot.element_size()
-        releaser.freed(slot.numel() * slot.element_size())
+        nbytes = slot.numel() * slot.element_size()
+        moved += nbytes
+        releaser.freed(nbytes)
     release_free_heap()
     return moved
 
