@@ -49,8 +49,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "of our C++ loops (compiled at start-up)")
     g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="pack each float32 linear weight (and bfloat16 one, on AVX-512 CPUs) once, in panels for our "
-                        "tile kernels, which take every step and replace the plain weight (freed, unless the "
-                        "embedding shares it: a tied lm_head keeps both); other bfloat16 weights, and all where the "
+                        "tile kernels, which take every step and replace the plain weight (freed; a tied embedding "
+                        "then reads its rows from the lm_head's tiles); other bfloat16 weights, and all where the "
                         "kernels cannot be built, for oneDNN where it packs them, next to the plain weight. Default: "
                         "on for float32 and bfloat16 models whose packing adds at most 1 GiB, off otherwise")
     g.add_argument("--quantization", default="none", choices=QUANTIZATIONS,

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from pagoda.layers.cpp_build import load_library
-from pagoda.layers.tied_embedding import Q8_0, tie_to_packed, tied_embeddings
+from pagoda.layers.tied_embedding import Q8_0, free_weight, tie_to_packed, tied_embeddings
 
 logger = logging.getLogger(__name__)
 
@@ -353,16 +353,13 @@ def quantize_linears(model: nn.Module, scheme: str = "q4_1", portable: bool = Fa
         layer._pagoda_packed_linear = packed  # type: ignore[assignment]
         layer.forward = packed  # type: ignore[method-assign,assignment]
         total += packed.nbytes()
-        embeddings, nbytes = tied_embeddings(model, layer), layer.weight.numel() * layer.weight.element_size()
-        if embeddings == []:  # nothing else holds it
-            # the float copy is not read again: an empty tensor keeps the attribute for code that looks at dtypes
-            layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+        embeddings, nbytes = tied_embeddings(model, layer), 0  # nbytes: the float weight's, where freed
+        if embeddings == []:  # nothing else holds it: the float copy is not read again
+            nbytes = free_weight(layer)
         elif embeddings and lm_head and _holds_exactly(packed.w, layer.weight):
             # a tied lm_head whose weight was Q8_0 already (the default model's, from its file): the embedding reads
             # its rows from the records
-            tie_to_packed(layer, embeddings, functools.partial(_records, packed), q8_0_rows, Q8_0)
-        else:
-            nbytes = 0  # kept
+            nbytes = tie_to_packed(layer, embeddings, functools.partial(_records, packed), q8_0_rows, Q8_0)
         if freed is not None:
             freed(nbytes)
         count += 1
@@ -371,7 +368,7 @@ def quantize_linears(model: nn.Module, scheme: str = "q4_1", portable: bool = Fa
 
 def _holds_exactly(records: torch.Tensor, weight: torch.Tensor, rows: int = 4096) -> bool:
     """Whether Q8_0 records (pack_q8_0) give the weight's values exactly; read rows at a time (the whole default
-    lm_head at once took ~250 MB of temporaries, which became the start-up's peak under --quantization)."""
+    lm_head at once had quantize_linears's phase peak at 1,303-1,412 MiB against 1,114-1,221 without it, ad hoc)."""
     n, k = weight.shape
     return all(torch.equal(q8_0_rows(records, torch.arange(s, min(n, s + rows)), k), weight[s:s + rows])
                for s in range(0, n, rows))

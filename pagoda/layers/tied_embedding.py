@@ -6,7 +6,8 @@ Two packed forms qualify: the float tiles (pagoda/layers/linear.py's prepack_lin
 lm_head's records (pagoda/layers/q4_linear.py's quantize_linears, where the weight was Q8_0 to begin with: the
 default model's embedding is Q8_0 in its GGUF file, so its float32 values come back bit for bit; other weights keep
 their plain copy). A row gathered from either is a strided read (one element a panel column or record), ~8x slower
-than a plain row's copy (12 ms for a 2,048-token step in float32, ad hoc): negligible next to the step itself.
+than a plain row's copy (10-12 ms for a 2,048-token step in float32, 8 ms from Q8_0 records, ad hoc): ~0.3-0.5% of
+a run.
 """
 
 from __future__ import annotations
@@ -62,8 +63,15 @@ def tie_to_packed(linear: nn.Linear, embeddings: list[tuple[nn.Module, str, nn.E
                   layout: int) -> int:
     """Free the linear's plain weight (an empty parameter of its dtype stays, as for layers without a tie) and put
     TiedEmbeddings reading packed() in the embeddings' places (tied_embeddings's list); returns the bytes freed."""
-    w = linear.weight
-    linear.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+    nbytes = free_weight(linear)
     for parent, name, embedding in embeddings:
         setattr(parent, name, TiedEmbedding(embedding, linear, packed, rows, layout))
+    return nbytes
+
+
+def free_weight(linear: nn.Linear) -> int:
+    """Replace a linear's plain weight, which its packed form makes unread, by an empty parameter of its dtype (for
+    code that looks at dtypes); returns the bytes freed."""
+    w = linear.weight
+    linear.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
     return w.numel() * w.element_size()

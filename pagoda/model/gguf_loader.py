@@ -146,8 +146,8 @@ def _hf_tensor_names(tensors: Mapping[str, Any]) -> dict[str, str]:
 
 
 # Rows of a quantized tensor dequantized at a time: gguf's dequantize makes several temporaries the size of its
-# output, ~370 MB for the default model's whole (49,152, 576) embedding; in chunks the load's peak went from 1,241 to
-# 1,164 MiB (BENCHMARKS.md, "the start-up's peak memory")
+# output (a process dequantizing only the default model's whole (49,152, 576) embedding peaked at 722 MiB, ad hoc);
+# in chunks the load's peak went from 1,241 to 1,164 MiB (BENCHMARKS.md, "the start-up's peak memory")
 _DEQUANTIZE_ROWS = 4096
 
 
