@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, ModelConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.core.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from pagoda.core.scheduler import Scheduler
@@ -59,7 +59,7 @@ class EngineStats:
     kv_slots_held: int = 0
 
 
-def move_weights_to_huge_pages(model: nn.Module, release_every: int = 64 << 20) -> int:
+def move_weights_to_huge_pages(model: nn.Module, release_every: int = 16 << 20) -> int:
     """Copy the model's parameters, packed weights (--quantization) and tiles (prepack_linears) into one
     huge-page region (host_memory.huge_page_tensors: a decode step streams through all of them), each old copy
     dropped as its new one takes its place and the free heap handed back before and every release_every bytes
@@ -86,13 +86,66 @@ def move_weights_to_huge_pages(model: nn.Module, release_every: int = 64 << 20) 
     return moved
 
 
+class PackWhileLoading:
+    """load_model's hook (ModuleLoaded): each layer's weights packed as soon as they are loaded, into --quantization's
+    form (quantize_linears) or else the tiles (prepack_linears, where should_prepack says so, asked at the first
+    layer: shapes and dtypes suffice), its float weight freed there and the heap handed back every 16 MiB, so that
+    the float model is never resident at once; `finish` packs the rest after the load (a tied lm_head: its weight is
+    the embedding's) and logs what was done. Packing after the whole load had the load as the start-up's peak: q4_1
+    1,228-1,230 MiB against 521 resident after it, float32 1,230 against 935 (BENCHMARKS.md)."""
+
+    def __init__(self, mc: ModelConfig) -> None:
+        self.mc = mc
+        self.releaser = HeapReleaser(16 << 20)
+        self.quantized: list[tuple[int, int, float]] = []  # quantize_linears's (layers, bytes, seconds) per call
+        self.prepacked: list[tuple[int, range | None]] = []  # prepack_linears's (bytes added, rows served) per call
+        self.prepack: bool | None = None  # should_prepack's answer, once asked
+
+    def _should_prepack(self, model: nn.Module) -> bool:
+        if self.prepack is None:
+            mc = self.mc
+            self.prepack = should_prepack(model, mc.torch_dtype, mc.prepack_weights, mc.compile_model)
+        return self.prepack
+
+    def __call__(self, model: nn.Module, name: str | None = None, module: nn.Module | None = None) -> None:
+        if module is not None:  # the loader's copies of its weights (dequantized, read) are free heap by now
+            self.releaser.freed(sum(p.numel() * p.element_size() for p in module.parameters(recurse=False)))
+        if self.mc.quantization != "none":  # then the tiles only for what it leaves (asked after the load)
+            self.quantized.append(quantize_linears(model, self.mc.quantization, freed=self.releaser.freed, only=name))
+        elif self._should_prepack(model):
+            self.prepacked.append(prepack_linears(model, freed=self.releaser.freed, only=name))
+
+    def finish(self, model: nn.Module) -> float:
+        """Pack what the load left, log it, and return the seconds quantizing took (its kernels' compile included)."""
+        mc = self.mc
+        self(model)
+        if self.quantized:
+            count, nbytes, seconds = (sum(column) for column in zip(*self.quantized, strict=True))
+            logger.info("quantization %s: %d linear layers, %.1f MiB of packed weights", mc.quantization, count,
+                        nbytes / 2**20)
+            if self._should_prepack(model):  # float linears quantizing did not take
+                self.prepacked.append(prepack_linears(model, freed=self.releaser.freed))
+        if self.prepacked:
+            added = sum(a for a, _ in self.prepacked)
+            rows = next((r for _, r in reversed(self.prepacked) if r is not None), None)
+            if rows is not None:
+                upto = f"-{rows.stop - 1}" if rows.stop < 1 << 31 else " or more"
+                logger.info("prepacked linear weights for steps of %d%s tokens: %.1f MiB more (the plain weights "
+                            "of layers on tiles freed where not shared)", rows.start, upto, added / 2**20)
+            else:
+                logger.warning("prepack_weights: nothing packed (it applies to float32 weights, and to bfloat16 "
+                               "ones where oneDNN supports bfloat16 on this CPU); dtype is %s", mc.torch_dtype)
+        return float(sum(seconds for _, _, seconds in self.quantized))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model
         self.keeps_freed_memory = keep_freed_memory()
         backend = get_attention_backend(mc.attention_backend, mc.torch_dtype, mc.quantization != "none")
-        loaded = load_model(mc.model, mc.torch_dtype, backend, mc.max_model_len)
+        packing = PackWhileLoading(mc)  # the load's hook: --quantization or the tiles, layer by layer
+        loaded = load_model(mc.model, mc.torch_dtype, backend, mc.max_model_len, packing)
         self.model, self.arch, self.tokenizer = loaded.model, loaded.arch, loaded.tokenizer
         budget = config.cache.kv_cache_memory or default_kv_cache_memory()
         plan = plan_kv_cache(self.arch, mc.torch_dtype, config.cache.block_size, budget, config.cache.kv_cache_dtype,
@@ -105,21 +158,7 @@ class LLMEngine:
             logger.info("KV cache pages backed in %.1f s (--kv-cache-prefault)", time.perf_counter() - start)
         self.compile_seconds = backend.warmup(caches[0], self.arch.num_heads, mc.torch_dtype, self.arch.head_dim**-0.5)
         self.attention_backend = backend.name  # after warm-up: the backend actually in use
-        if mc.quantization != "none":  # before the paths below, which then leave these layers alone
-            count, nbytes, seconds = quantize_linears(self.model, mc.quantization, freed=HeapReleaser().freed)
-            self.compile_seconds += seconds
-            logger.info("quantization %s: %d linear layers, %.1f MiB of packed weights", mc.quantization, count,
-                        nbytes / 2**20)
-        # before the huge pages, which take the tiles too
-        if should_prepack(self.model, mc.torch_dtype, mc.prepack_weights, mc.compile_model):
-            added, rows = prepack_linears(self.model, freed=HeapReleaser().freed)
-            if rows is not None:
-                upto = f"-{rows.stop - 1}" if rows.stop < 1 << 31 else " or more"
-                logger.info("prepacked linear weights for steps of %d%s tokens: %.1f MiB more (the plain weights "
-                            "of layers on tiles freed where not shared)", rows.start, upto, added / 2**20)
-            else:
-                logger.warning("prepack_weights: nothing packed (it applies to float32 weights, and to bfloat16 "
-                               "ones where oneDNN supports bfloat16 on this CPU); dtype is %s", mc.torch_dtype)
+        self.compile_seconds += packing.finish(self.model)  # before the huge pages, which take the packed weights
         if huge_pages_enabled():  # before the paths below, which take the weights' addresses
             moved = move_weights_to_huge_pages(self.model)
             logger.info("weights on huge pages: %.1f MiB", moved / 2**20)

@@ -320,7 +320,7 @@ def _tiles_library_or_none(layers: list[nn.Linear]) -> Any:
 
 
 def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = False,
-                    freed: Callable[[int], None] | None = None) -> tuple[int, range | None]:
+                    freed: Callable[[int], None] | None = None, only: str | None = None) -> tuple[int, range | None]:
     """Gives every float32 or bfloat16 nn.Linear of the model a packed copy of its weight; returns the bytes this
     adds to the model's memory (the packed copies less the plain weights freed) and the rows the packed weights
     serve ((0, None) if none was packed). The weights the tile kernels take (_tiles_fit: float32, and bfloat16 in
@@ -330,9 +330,10 @@ def prepack_linears(model: nn.Module, tiles: bool = True, keep_plain: bool = Fal
     both sides). The others, and all where the kernels cannot be built (logged) or with tiles=False, are packed for
     oneDNN where it packs their dtype on this CPU (packable_rows: for PACKED_ROWS[dtype]), next to the plain weight,
     else left alone. freed, if given, is told the bytes of each plain weight freed (the engine hands the heap back as
-    they add up)."""
+    they add up). only: the name of the one module to pack (the engine's load_model hook, as each layer's weights
+    are loaded); layers packed already are left alone."""
     added, used = 0, None
-    layers = [m for m in model.modules() if _packable(m)]
+    layers = [m for m in ([model.get_submodule(only)] if only is not None else model.modules()) if _packable(m)]
     lib: Any = _tiles_library_or_none(layers) if tiles else None
     for module in layers:
         w = module.weight.detach()

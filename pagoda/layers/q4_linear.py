@@ -186,6 +186,9 @@ def q8_0_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
 # BENCHMARKS.md, "What bounds the Q4_1 tile"), so the one-call forward does not take it either.
 SILU_MUL_FUSED_MIN_ROWS = 256
 
+# Rows of a weight quantized and packed at a time (PackedLinear): a multiple of NR.
+PACK_ROWS = 1024
+
 
 class PackedLinear:
     """A linear layer's packed weights (Q4Linear, Q8Linear) and the forward that rounds its input and multiplies,
@@ -203,13 +206,28 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: Any) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.w = self._pack(weight)  # one byte tensor, as the kernel reads it
+        self.w = self._pack_by_rows(weight)  # one byte tensor, as the kernel reads it
         self.kernel = getattr(lib, self._kernel)  # the ctypes function (one_stream.py calls it from C++)
         # the gate_up form, where the halves are whole tiles (and the library has it: a past revision's may not)
         fusable = self._silu_mul_kernel is not None and self.out_features % (2 * NR) == 0
         self.silu_mul_kernel = getattr(lib, self._silu_mul_kernel, None) if fusable else None  # type: ignore[arg-type]
         self.lib = lib
         self.amx_rows = amx_min_rows(lib)  # the fewest rows the AMX tiles take (0: none here)
+
+    @classmethod
+    def _pack_by_rows(cls, weight: torch.Tensor) -> torch.Tensor:
+        """_pack(weight), PACK_ROWS rows at a time into one tensor (each row's blocks are its own, a tile NR rows), so
+        that quantizing's float temporaries stay small: the default lm_head's at once had lifted the start-up's peak
+        from 637 to 920 MiB (q4_1), 4,096 rows at a time into a list and then one tensor to 775 (ad hoc)."""
+        n = weight.shape[0]
+        first = cls._pack(weight[:PACK_ROWS])
+        if n <= PACK_ROWS:
+            return first
+        out = torch.empty((n // NR, *first.shape[1:]), dtype=first.dtype)  # the chunks' _pack checks n % NR
+        out[:len(first)] = first
+        for s in range(PACK_ROWS, n, PACK_ROWS):
+            out[s // NR:(s + PACK_ROWS) // NR] = cls._pack(weight[s:s + PACK_ROWS])
+        return out
 
     def nbytes(self) -> int:
         return self.w.numel()  # bytes
@@ -329,24 +347,27 @@ SCHEMES: dict[str, type[PackedLinear]] = {"q4_1": Q4Linear, "q8_0": Q8Linear}
 
 
 def quantize_linears(model: nn.Module, scheme: str = "q4_1", portable: bool = False,
-                     freed: Callable[[int], None] | None = None) -> tuple[int, int, float]:
+                     freed: Callable[[int], None] | None = None, only: str | None = None) -> tuple[int, int, float]:
     """Give the decoder layers' float32 linears (quantizable) packed weights of the scheme, Q4_1 (4 bits) or Q8_0
     (8 bits), and the lm_head Q8_0 weights in both, and free their float copies, except one that another module
     shares: a tied lm_head's stays for the token embedding unless its Q8_0 records hold it exactly (then the
     embedding reads its rows from them, tied_embedding.py); returns (layers quantized, bytes of their packed
     weights, seconds taken, compile included); freed, if given, is told the bytes of each float weight freed (the
-    engine hands the heap back as they add up). Raises if the kernels cannot be compiled: the user asked for this
-    format, and a silent float32 fallback would report the wrong numbers."""
+    engine hands the heap back as they add up). only: the name of the one module to quantize (the engine's
+    load_model hook, as each layer's weights are loaded); layers already quantized are left alone. Raises if the
+    kernels cannot be compiled: the user asked for this format, and a silent float32 fallback would report the
+    wrong numbers."""
     if scheme not in SCHEMES:
         raise ValueError(f"quantization scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
     start = time.perf_counter()
     lib = q4_library(portable)
-    if not lib.pagoda_q4_vectorized():
+    if only is None and not lib.pagoda_q4_vectorized():
         logger.warning("quantization %s: this CPU has no AVX2 and F16C (or the portable build was asked for); "
                        "the kernels run as plain C++, far slower than float32 matmuls", scheme)
     count, total = 0, 0
-    for name, layer in list(model.named_modules()):
-        if not isinstance(layer, nn.Linear) or not quantizable(layer):
+    layers = [(only, model.get_submodule(only))] if only is not None else list(model.named_modules())
+    for name, layer in layers:
+        if not isinstance(layer, nn.Linear) or is_quantized(layer) or not quantizable(layer):
             continue
         lm_head = name.endswith("lm_head")
         packed = (Q8Linear if lm_head else SCHEMES[scheme])(layer.weight, layer.bias, lib)
@@ -366,7 +387,7 @@ def quantize_linears(model: nn.Module, scheme: str = "q4_1", portable: bool = Fa
     return count, total, time.perf_counter() - start
 
 
-def _holds_exactly(records: torch.Tensor, weight: torch.Tensor, rows: int = 4096) -> bool:
+def _holds_exactly(records: torch.Tensor, weight: torch.Tensor, rows: int = 1024) -> bool:
     """Whether Q8_0 records (pack_q8_0) give the weight's values exactly; read rows at a time (the whole default
     lm_head at once had quantize_linears's phase peak at 1,303-1,412 MiB against 1,114-1,221 without it, ad hoc)."""
     n, k = weight.shape

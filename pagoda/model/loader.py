@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from pagoda.layers.attention import AttentionBackend
 from pagoda.layers.rotary import RotaryEmbedding
@@ -67,12 +69,15 @@ def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _read_source(path: Path) -> tuple[dict[str, Any], Tokenizer, Iterator[tuple[str, torch.Tensor]]]:
+def _read_source(path: Path, dtype: torch.dtype = torch.float32
+                 ) -> tuple[dict[str, Any], Tokenizer, Iterator[tuple[str, torch.Tensor]]]:
+    """The checkpoint's config, tokenizer and tensors: a GGUF file's dequantized to dtype (the model's: each then
+    becomes its parameter without a copy), a folder's safetensors as stored."""
     if path.suffix == ".gguf":
         from pagoda.model.gguf_loader import load_gguf
 
         gguf_model = load_gguf(path)
-        return gguf_model.hf_config, gguf_model.tokenizer, gguf_model.tensors(torch.float32)
+        return gguf_model.hf_config, gguf_model.tokenizer, gguf_model.tensors(dtype)
     hf_config = json.loads((path / "config.json").read_text())
     return hf_config, Tokenizer.from_hf_folder(path), _iter_safetensors(path)
 
@@ -87,10 +92,18 @@ def load_arch(name: str) -> ArchConfig:
     return ArchConfig.from_hf(json.loads((path / "config.json").read_text()))
 
 
-def load_model(name: str, dtype: torch.dtype, backend: AttentionBackend, max_positions: int | None = None
-               ) -> LoadedModel:
+# Called by load_model with (model, name, module) as soon as all of a module's own parameters are loaded (a tied
+# lm_head's with the embedding's, the same weight), while the rest still loads.
+ModuleLoaded = Callable[[LlamaForCausalLM, str, nn.Module], None]
+
+
+def load_model(name: str, dtype: torch.dtype, backend: AttentionBackend, max_positions: int | None = None,
+               on_loaded: ModuleLoaded | None = None) -> LoadedModel:
+    """The model, its config and its tokenizer. on_loaded lets the caller replace each layer's weights by its own form
+    of them (quantize_linears) as soon as they are loaded: the parameters are allocated untouched, so a layer freed
+    right after its load never costs resident memory, and the float copy of the whole model never exists at once."""
     path = resolve_model_path(name)
-    hf_config, tokenizer, tensors = _read_source(path)
+    hf_config, tokenizer, tensors = _read_source(path, dtype)
     arch = ArchConfig.from_hf(hf_config)
     positions = max_positions or arch.max_position_embeddings
     with torch.device("meta"):
@@ -99,33 +112,67 @@ def load_model(name: str, dtype: torch.dtype, backend: AttentionBackend, max_pos
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary = RotaryEmbedding(arch.head_dim, positions, arch.rope_theta, arch.rope_scaling, dtype)
-    _load_weights(model, tensors)
+    _load_weights(model, tensors, on_loaded)
     model.eval().requires_grad_(False)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path,
                        identity=f"{path.resolve()}:{arch.model_type}")
 
 
-def _load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    params = dict(model.named_parameters(remove_duplicate=False))
+def _load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]],
+                  on_loaded: ModuleLoaded | None = None) -> None:
     expected = model.checkpoint_parameters()  # HF name -> (parameter, rows): merged projections take parts
+    tied = model.config.tie_word_embeddings
+    # every name of a parameter -> its first (a tied lm_head's weight is the embedding's, loaded under that name)
+    first: dict[int, str] = {}
+    canonical = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
+    parts = Counter(  # each parameter's checkpoint tensors not loaded yet
+        canonical[target] for name, (target, _) in expected.items() if not (tied and name == "lm_head.weight"))
+    waiting: dict[str, set[str]] = {}  # each module with parameters of its own -> those not loaded yet
+    for n, c in canonical.items():
+        waiting.setdefault(n.rpartition(".")[0], set()).add(c)
     loaded: set[str] = set()
     for name, tensor in tensors:
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        if name == "lm_head.weight" and tied:
             continue
         if name not in expected:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         target, rows = expected[name]
-        param = params[target].data[rows]
-        if tuple(param.shape) != tuple(tensor.shape):
+        param = model.get_parameter(target)  # looked up here: on_loaded may replace parameters
+        part = param.data[rows]
+        if tuple(part.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, model expects "
-                             f"{tuple(param.shape)}")
-        param.copy_(tensor)
+                             f"{tuple(part.shape)}")
+        if name in loaded:
+            raise ValueError(f"weight {name!r} appears twice in checkpoint")
+        if _takes_as_is(param, part, tensor):
+            param.data = tensor  # the untouched allocation freed, no second copy
+        else:
+            part.copy_(tensor)
+        del param, part, tensor  # the checkpoint's copy gone before on_loaded runs (the embedding's: 108 MiB)
         loaded.add(name)
+        done = canonical[target]
+        parts[done] -= 1
+        if parts[done]:
+            continue
+        for module, params in list(waiting.items()):
+            params.discard(done)
+            if not params:
+                del waiting[module]
+                if on_loaded is not None:
+                    on_loaded(model, module, model.get_submodule(module))
     if model.config.tie_word_embeddings:
         loaded.add("lm_head.weight")
     missing = sorted(set(expected) - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
                          f"{' ...' if len(missing) > 8 else ''}")
+
+
+def _takes_as_is(param: nn.Parameter, part: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether a checkpoint's tensor can be the parameter itself: all of it, its dtype, contiguous, in memory of its
+    own on the 64-byte boundary torch's allocations keep (the GGUF loader's dequantized tensors, _dequantize)."""
+    return (part.shape == param.shape and tensor.dtype == param.dtype and tensor.is_contiguous()
+            and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes
+            and tensor.data_ptr() % 64 == 0)

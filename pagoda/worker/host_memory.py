@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 import mmap
@@ -56,12 +57,19 @@ _TRIM_THRESHOLD = (1 << 31) - 1
 _done: bool | None = None
 
 
+@functools.cache
+def _libc() -> Any:
+    """The C library, or None where there is none (not glibc). Opened once: find_library runs ldconfig in a
+    subprocess, and HeapReleaser calls malloc_trim every 16 MiB of a load."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def _libc_function(name: str) -> Any:
     """The C library's function of that name, or None where there is no such library or function (not glibc)."""
-    try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
-    except (OSError, AttributeError):
-        return None
+    return getattr(_libc(), name, None)
 
 
 def keep_freed_memory() -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,11 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is
 
 
 @pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(host_memory, "_done", None)
+    host_memory._libc.cache_clear()  # opened once per process
+    yield
+    host_memory._libc.cache_clear()  # not the test's stand-in
 
 
 @glibc

@@ -467,3 +467,17 @@ def test_amx_tiles_compile_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     lib = q4_linear.q4_library.__wrapped__()
     assert hasattr(lib, "pagoda_q4_amx_min_rows")
     assert bool(lib.pagoda_q4_amx()) == ("amx_bf16" in Path("/proc/cpuinfo").read_text())
+
+
+@pytest.mark.parametrize("cls", [q4_linear.Q4Linear, q4_linear.Q8Linear])
+def test_packing_rows_at_a_time_gives_the_whole_weights_bytes(cls: type[q4_linear.PackedLinear],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """PackedLinear packs PACK_ROWS rows at a time into one tensor (the lm_head's quantizing temporaries stay small):
+    the same bytes as packing the whole weight, a last part shorter than the others included; an output width that
+    is not whole tiles is refused by the part that holds its end."""
+    monkeypatch.setattr(q4_linear, "PACK_ROWS", 32)
+    w = torch.randn(80, 64, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(cls._pack_by_rows(w), cls._pack(w))
+    assert torch.equal(cls._pack_by_rows(w[:32]), cls._pack(w[:32]))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cls._pack_by_rows(w[:72])
