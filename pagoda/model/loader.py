@@ -108,7 +108,7 @@ def load_model(name: str, dtype: torch.dtype, backend: AttentionBackend, max_pos
     positions = max_positions or arch.max_position_embeddings
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, backend, positions, dtype)
-    model = model.to_empty(device="cpu").to(dtype)
+    model = model.to(dtype).to_empty(device="cpu")  # on meta first: converting allocated parameters touched them all
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary = RotaryEmbedding(arch.head_dim, positions, arch.rope_theta, arch.rope_scaling, dtype)
