@@ -59,7 +59,7 @@ class EngineStats:
     kv_slots_held: int = 0
 
 
-def move_weights_to_huge_pages(model: nn.Module, release_every: int = 16 << 20) -> int:
+def move_weights_to_huge_pages(model: nn.Module, release_every: int = 64 << 20) -> int:
     """Copy the model's parameters, packed weights (--quantization) and tiles (prepack_linears) into one
     huge-page region (host_memory.huge_page_tensors: a decode step streams through all of them), each old copy
     dropped as its new one takes its place and the free heap handed back before and every release_every bytes
@@ -89,14 +89,16 @@ def move_weights_to_huge_pages(model: nn.Module, release_every: int = 16 << 20) 
 class PackWhileLoading:
     """load_model's hook (ModuleLoaded): each layer's weights packed as soon as they are loaded, into --quantization's
     form (quantize_linears) or else the tiles (prepack_linears, where should_prepack says so, asked at the first
-    layer: shapes and dtypes suffice), its float weight freed there and the heap handed back every 16 MiB, so that
-    the float model is never resident at once; `finish` packs the rest after the load (a tied lm_head: its weight is
-    the embedding's) and logs what was done. Packing after the whole load had the load as the start-up's peak: q4_1
-    1,228-1,230 MiB against 521 resident after it, float32 1,230 against 935 (BENCHMARKS.md)."""
+    layer: shapes and dtypes suffice), its float weight freed there, so that the float model is never resident at
+    once; the heap is handed back every 64 MiB freed (every 16 MiB lowered q4_1's peak by 2-3% but cost ~0.5 s of
+    start-up: pages handed back are faulted in again by the next allocations). `finish` packs what the load left
+    (under --quantization, float layers it did not take) and logs what was done. Packing after the whole load had
+    the load as the start-up's peak: q4_1 1,226-1,230 MiB against 515-523 resident after it, float32 1,220-1,230
+    against 933-941 (BENCHMARKS.md, "The start-up's peak memory, layer by layer")."""
 
     def __init__(self, mc: ModelConfig) -> None:
         self.mc = mc
-        self.releaser = HeapReleaser(16 << 20)
+        self.releaser = HeapReleaser()
         self.quantized: list[tuple[int, int, float]] = []  # quantize_linears's (layers, bytes, seconds) per call
         self.prepacked: list[tuple[int, range | None]] = []  # prepack_linears's (bytes added, rows served) per call
         self.prepack: bool | None = None  # should_prepack's answer, once asked

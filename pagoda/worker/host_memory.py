@@ -60,7 +60,7 @@ _done: bool | None = None
 @functools.cache
 def _libc() -> Any:
     """The C library, or None where there is none (not glibc). Opened once: find_library runs ldconfig in a
-    subprocess, and HeapReleaser calls malloc_trim every 16 MiB of a load."""
+    subprocess, and HeapReleaser calls malloc_trim every 64 MiB of a load."""
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
