@@ -102,11 +102,13 @@ class PackWhileLoading:
         self.quantized: list[tuple[int, int, float]] = []  # quantize_linears's (layers, bytes, seconds) per call
         self.prepacked: list[tuple[int, range | None]] = []  # prepack_linears's (bytes added, rows served) per call
         self.prepack: bool | None = None  # should_prepack's answer, once asked
+        self.compile_seconds = 0.0  # should_prepack's (the tile kernels' build, or their load from the disk cache)
 
     def _should_prepack(self, model: nn.Module) -> bool:
         if self.prepack is None:
-            mc = self.mc
+            mc, start = self.mc, time.perf_counter()
             self.prepack = should_prepack(model, mc.torch_dtype, mc.prepack_weights, mc.compile_model)
+            self.compile_seconds = time.perf_counter() - start  # it builds the tile kernels
         return self.prepack
 
     def __call__(self, model: nn.Module, name: str | None = None, module: nn.Module | None = None) -> None:
@@ -118,7 +120,7 @@ class PackWhileLoading:
             self.prepacked.append(prepack_linears(model, freed=self.releaser.freed, only=name))
 
     def finish(self, model: nn.Module) -> float:
-        """Pack what the load left, log it, and return the seconds quantizing took (its kernels' compile included)."""
+        """Pack what the load left, log it, and return the seconds building the kernels and quantizing took."""
         mc = self.mc
         self(model)
         if self.quantized:
@@ -137,7 +139,7 @@ class PackWhileLoading:
             else:
                 logger.warning("prepack_weights: nothing packed (it applies to float32 weights, and to bfloat16 "
                                "ones where oneDNN supports bfloat16 on this CPU); dtype is %s", mc.torch_dtype)
-        return float(sum(seconds for _, _, seconds in self.quantized))
+        return self.compile_seconds + sum(seconds for _, _, seconds in self.quantized)
 
 
 class LLMEngine:
