@@ -93,8 +93,8 @@ class PackWhileLoading:
     once; the heap is handed back every 64 MiB freed (every 16 MiB lowered q4_1's peak by 2-3% but cost ~0.5 s of
     start-up: pages handed back are faulted in again by the next allocations). `finish` packs what the load left
     (under --quantization, float layers it did not take) and logs what was done. Packing after the whole load had
-    the load as the start-up's peak: q4_1 1,226-1,230 MiB against 515-523 resident after it, float32 1,220-1,230
-    against 933-941 (BENCHMARKS.md, "The start-up's peak memory, layer by layer")."""
+    the load as the start-up's peak: q4_1 1,219-1,228 MiB against 513-524 resident after it, float32 1,220-1,230
+    against 931-941 (BENCHMARKS.md, "The start-up's peak memory, layer by layer")."""
 
     def __init__(self, mc: ModelConfig) -> None:
         self.mc = mc

@@ -100,8 +100,9 @@ ModuleLoaded = Callable[[LlamaForCausalLM, str, nn.Module], None]
 def load_model(name: str, dtype: torch.dtype, backend: AttentionBackend, max_positions: int | None = None,
                on_loaded: ModuleLoaded | None = None) -> LoadedModel:
     """The model, its config and its tokenizer. on_loaded lets the caller replace each layer's weights by its own form
-    of them (quantize_linears) as soon as they are loaded: the parameters are allocated untouched, so a layer freed
-    right after its load never costs resident memory, and the float copy of the whole model never exists at once."""
+    of them (quantize_linears, prepack_linears) as soon as they are loaded: the parameters are allocated untouched
+    (a whole tensor of the model's dtype then takes its parameter's place, _takes_as_is), so only the layers loaded
+    and not yet replaced are resident, never the float copy of the whole model."""
     path = resolve_model_path(name)
     hf_config, tokenizer, tensors = _read_source(path, dtype)
     arch = ArchConfig.from_hf(hf_config)

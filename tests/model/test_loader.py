@@ -23,25 +23,38 @@ def _load(path: Path, on_loaded: loader.ModuleLoaded | None = None) -> nn.Module
     return load_model(str(path), torch.float32, get_attention_backend("torch"), on_loaded=on_loaded).model
 
 
-def test_each_module_is_handed_over_once_its_weights_are_in(tiny_model: tuple[str, Path]) -> None:
+def test_each_module_is_handed_over_once_its_weights_are_in(tiny_model: tuple[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     _, path = tiny_model
     reference = _load(path)
     seen: list[str] = []
+    events: list[tuple[str, str]] = []  # ("read", checkpoint name) and ("hook", module name), in order
+    read_source = loader._read_source
+
+    def reading(*args: object) -> object:
+        config, tokenizer, tensors = read_source(*args)  # type: ignore[arg-type]
+        return config, tokenizer, ((events.append(("read", n)), (n, t))[1] for n, t in tensors)
 
     def check(model: nn.Module, name: str, module: nn.Module) -> None:
         assert module is model.get_submodule(name)
         for pname, p in module.named_parameters(recurse=False):
             assert torch.equal(p, reference.get_parameter(f"{name}.{pname}")), f"{name}.{pname}"
         seen.append(name)
+        events.append(("hook", name))
 
+    monkeypatch.setattr(loader, "_read_source", reading)
     model = _load(path, check)
     with_params = [name for name, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
     assert sorted(seen) == sorted(with_params)  # each once
     if model.config.tie_word_embeddings:  # the lm_head's weight is loaded with the embedding
         assert seen.index("lm_head") == seen.index("model.embed_tokens") + 1
-    # the first layer's modules came before the last layer's tensors were read: while the rest still loads
-    last = model.config.num_layers - 1
-    assert seen.index("model.layers.0.mlp.gate_up_proj") < seen.index(f"model.layers.{last}.self_attn.qkv_proj")
+    # each module right after its last tensor's read, before the next read: while the rest still loads
+    for i, (kind, name) in enumerate(events):
+        if kind == "hook" and name != "lm_head":
+            before = next(n for k, n in reversed(events[:i]) if k == "read")
+            parts = [n for n, (t, _) in model.checkpoint_parameters().items() if t.rpartition(".")[0] == name]
+            assert before in parts, (name, before)
+    assert events[-1][0] == "hook" and sum(k == "read" for k, _ in events) > 1
 
 
 def test_a_parameter_the_hook_replaces_is_freed_there(tiny_model: tuple[str, Path]) -> None:
