@@ -113,6 +113,8 @@ def test_a_whole_tensor_of_the_models_dtype_becomes_the_parameter(tiny_model: tu
     other = next(n for n in checkpoint if n.endswith("post_attention_layernorm.weight"))
     checkpoint[other] = view
     q = next(n for n in checkpoint if n.endswith("self_attn.q_proj.weight"))
+    wide = torch.randn(model.get_parameter("model.norm.weight").shape, dtype=torch.float64)
+    checkpoint["model.norm.weight"] = wide
     if model.config.tie_word_embeddings:
         del checkpoint["lm_head.weight"]
     loader._load_weights(model, iter(checkpoint.items()))
@@ -120,3 +122,5 @@ def test_a_whole_tensor_of_the_models_dtype_becomes_the_parameter(tiny_model: tu
     assert model.get_parameter(other).data_ptr() != view.data_ptr() and torch.equal(model.get_parameter(other), view)
     qkv = model.get_parameter(model.checkpoint_parameters()[q][0])
     assert qkv.data_ptr() != checkpoint[q].data_ptr() and torch.equal(qkv[:len(checkpoint[q])], checkpoint[q])
+    final = model.get_parameter("model.norm.weight")
+    assert final.dtype == torch.float32 and torch.equal(final, wide.float())
