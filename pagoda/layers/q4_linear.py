@@ -387,7 +387,7 @@ def quantize_linears(model: nn.Module, scheme: str = "q4_1", portable: bool = Fa
     return count, total, time.perf_counter() - start
 
 
-def _holds_exactly(records: torch.Tensor, weight: torch.Tensor, rows: int = 1024) -> bool:
+def _holds_exactly(records: torch.Tensor, weight: torch.Tensor, rows: int = 4096) -> bool:
     """Whether Q8_0 records (pack_q8_0) give the weight's values exactly; read rows at a time (the whole default
     lm_head at once had quantize_linears's phase peak at 1,303-1,412 MiB against 1,114-1,221 without it, ad hoc)."""
     n, k = weight.shape

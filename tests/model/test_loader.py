@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pagoda.layers.attention import get_attention_backend
+from pagoda.layers.linear import prepack_linears, tiles_of
 from pagoda.layers.q4_linear import packed_of, quantize_linears
 from pagoda.layers.tied_embedding import free_weight
 from pagoda.model import loader
@@ -88,6 +89,23 @@ def test_quantizing_each_layer_as_it_loads_packs_the_same_bytes(tiny_model: tupl
         layer = during.get_submodule(name)
         assert torch.equal(packed_of(layer).w, packed_of(after.get_submodule(name)).w), name
         assert layer.weight.numel() == 0, name
+
+
+def test_tiling_each_layer_as_it_loads_packs_the_same_tiles(tiny_model: tuple[str, Path]) -> None:
+    """The engine's float32 default: the layers packed for the tile kernels by the hook (a tied lm_head with the
+    embedding, which then reads its rows from the tiles), the same tiles as packing the loaded model."""
+    _, path = tiny_model
+    after = _load(path)
+    prepack_linears(after)
+    during = _load(path, lambda model, name, _: prepack_linears(model, only=name))
+    names = [name for name, m in after.named_modules() if tiles_of(m) is not None]
+    assert "lm_head" in names
+    assert names == [name for name, m in during.named_modules() if tiles_of(m) is not None]
+    for name in names:
+        assert torch.equal(tiles_of(during.get_submodule(name)), tiles_of(after.get_submodule(name))), name
+        assert during.get_submodule(name).weight.numel() == 0, name
+    ids = torch.tensor([0, 5, 299])
+    assert torch.equal(during.model.embed_tokens(ids), after.model.embed_tokens(ids))
 
 
 def test_a_tensor_twice_in_the_checkpoint_is_refused(tiny_model: tuple[str, Path]) -> None:
