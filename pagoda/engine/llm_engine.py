@@ -25,10 +25,12 @@ from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.host_memory import (
     HeapReleaser,
+    copy_releasing,
     huge_page_tensors,
     huge_pages_enabled,
     keep_freed_memory,
     release_free_heap,
+    sole_holder,
 )
 from pagoda.worker.kv_cache import KVCachePlan, allocate_kv_cache, default_kv_cache_memory, plan_kv_cache
 from pagoda.worker.model_runner import ModelRunner
@@ -67,7 +69,9 @@ def move_weights_to_huge_pages(model: nn.Module, release_every: int = 64 << 20) 
     one-call paths). The tiles on 4 KiB pages had made one float32 stream's step 1.45x slower than the GEMV's on huge
     pages (the hardware prefetchers stop at each page's end; BENCHMARKS.md, "Float32 linears on tiles of our own").
     Copying everything first and freeing after had made the move the start-up's peak: float32 1,611 MiB resident
-    against 1,241 while loading."""
+    against 1,241 while loading; and a tensor copied whole beside its old copy still did (the float32 model's tied
+    lm_head tiles, 108 MiB), so where nothing but the model holds a tensor its old pages go back to the kernel as
+    each chunk is copied (host_memory.copy_releasing)."""
     params = [p for p in model.parameters() if p.numel()]  # tied weights once
     packed = [q for q in map(packed_of, model.modules()) if q is not None]
     tiled = [m for m in model.modules() if tiles_of(m) is not None]
@@ -77,8 +81,10 @@ def move_weights_to_huge_pages(model: nn.Module, release_every: int = 64 << 20) 
     slots = huge_page_tensors((getattr(o, a).shape, getattr(o, a).dtype) for o, a in owners)
     moved, releaser = 0, HeapReleaser(release_every)
     for (owner, attr), slot in zip(owners, slots, strict=True):
-        slot.copy_(getattr(owner, attr))
-        setattr(owner, attr, slot)  # nothing else holds the old copy: it is freed here
+        old = getattr(owner, attr)  # a parameter's `.data` is an alias of it
+        copy_releasing(slot, old, release=sole_holder(old, alias=attr == "data"))
+        del old
+        setattr(owner, attr, slot)  # where nothing else held the old copy, it is freed here
         nbytes = slot.numel() * slot.element_size()
         moved += nbytes
         releaser.freed(nbytes)

@@ -173,6 +173,46 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return copies
 
 
+# Bytes copy_releasing copies between page drops: at 16 MiB the float32 model's largest tensor (its tied lm_head's
+# tiles, 108 MiB) lifts the move's peak by a chunk instead of by itself.
+RELEASE_CHUNK = 16 << 20
+_MADV_DONTNEED = 4  # Linux's
+
+
+def sole_holder(t: torch.Tensor, alias: bool = False) -> bool:
+    """Whether the caller's tensor is all that holds t's memory: its storage is t's alone, counted by the storage's
+    use count (t, the storage's Python wrapper, and with alias the tensor t aliases: a parameter whose `.data` t
+    is). A view, or another tensor over the same storage anywhere, makes it False."""
+    storage = t.untyped_storage()
+    whole = t.storage_offset() == 0 and t.numel() * t.element_size() == storage.nbytes()
+    return whole and torch._C._storage_Use_Count(storage._cdata) == 2 + alias
+
+
+def copy_releasing(dst: torch.Tensor, src: torch.Tensor, release: bool, chunk: int = RELEASE_CHUNK) -> None:
+    """dst.copy_(src), chunk bytes at a time; with release, src's whole pages in each chunk are handed back to the
+    kernel (madvise MADV_DONTNEED) once copied, so that the copy never holds both tensors whole: src then reads as
+    zeros there, so release only a src about to be freed that nothing else reads (sole_holder). Copied whole, the
+    float32 model's tied lm_head tiles (108 MiB) made the move to huge pages the start-up's peak (BENCHMARKS.md,
+    "The move to huge pages a chunk at a time"). Tensors of other shapes, dtypes or layouts are copied whole."""
+    madvise = _libc_function("madvise") if release and src.device.type == "cpu" else None
+    same = dst.shape == src.shape and dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
+    if madvise is None or not same or src.numel() == 0:
+        dst.copy_(src)
+        return
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    d, s, size = dst.view(-1), src.view(-1), src.element_size()
+    page, start = mmap.PAGESIZE, src.data_ptr()
+    dropped = -(-start // page) * page  # src's pages from here on are whole and not yet dropped
+    per = max(1, chunk // size)
+    for i in range(0, s.numel(), per):
+        j = min(i + per, s.numel())
+        d[i:j].copy_(s[i:j])
+        end = (start + j * size) // page * page
+        if end > dropped:
+            madvise(dropped, end - dropped, _MADV_DONTNEED)
+            dropped = end
+
+
 class HeapReleaser:
     """Hands the free heap back (release_free_heap) each time `every` bytes have been reported freed: a start-up phase
     that replaces weights one by one (quantize_linears, prepack_linears, the move to huge pages) then gives their old

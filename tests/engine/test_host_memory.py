@@ -145,6 +145,80 @@ def test_move_to_huge_pages_copies_each_tensor(monkeypatch: pytest.MonkeyPatch, 
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
 
 
+@glibc
+@pytest.mark.parametrize("release", [True, False])
+def test_copy_releasing_copies_and_hands_the_source_pages_back_chunk_by_chunk(release: bool,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    page, chunk = host_memory.PAGE, 256 << 10
+    src = torch.randn((5 << 20) // 4 + 1234)  # pages not aligned to the tensor's ends
+    expect = src.clone()
+    dst = torch.empty_like(src)
+    assert resident_pages(src)[0] == resident_pages(src)[1]
+    real = host_memory._libc_function("madvise")
+    calls: list[tuple[int, int, bool]] = []  # (start, length, dst complete up to the chunk's end when called)
+
+    def madvise(start: int, length: int, advice: int) -> int:
+        done = (start + length - src.data_ptr()) // src.element_size()
+        calls.append((start, length, torch.equal(dst[:done], expect[:done])))
+        return real(ctypes.c_void_p(start), ctypes.c_size_t(length), advice)
+
+    monkeypatch.setattr(host_memory, "_libc_function", lambda name: madvise if name == "madvise" else None)
+    host_memory.copy_releasing(dst, src, release=release, chunk=chunk)
+    assert torch.equal(dst, expect)
+    resident, pages = resident_pages(src)
+    if not release:
+        assert not calls and torch.equal(src, expect) and resident == pages
+        return
+    # each chunk's whole pages once its bytes were copied, one after the other, and none before that
+    assert len(calls) == -(-src.numel() * 4 // chunk) and all(ok for _, _, ok in calls)
+    assert all(start % page == 0 and length % page == 0 and length <= chunk for start, length, _ in calls)
+    assert all(a + n == b for (a, n, _), (b, _, _) in zip(calls, calls[1:], strict=False))
+    assert calls[0][0] - src.data_ptr() < page and src.data_ptr() + src.numel() * 4 - sum(calls[-1][:2]) < page
+    assert resident <= 2  # the first and last pages, which the tensor shares with its neighbours
+    first = -(-src.data_ptr() // page) * page
+    interior = src[(first - src.data_ptr()) // 4:][: (calls[-1][0] + calls[-1][1] - first) // 4]
+    assert int(interior.count_nonzero()) == 0  # dropped: an anonymous page reads zeros once handed back
+
+
+def test_sole_holder_counts_every_tensor_over_the_storage() -> None:
+    t = torch.randn(1000)
+    assert host_memory.sole_holder(t)
+    view = t[10:]
+    assert not host_memory.sole_holder(t) and not host_memory.sole_holder(view)  # a view, and part of a storage
+    del view
+    assert host_memory.sole_holder(t)
+    p = torch.nn.Parameter(torch.randn(64), requires_grad=False)
+    assert host_memory.sole_holder(p.data, alias=True) and not host_memory.sole_holder(p.data)
+    other = torch.tensor([])
+    other.set_(t.untyped_storage())  # another tensor over the same storage, no view relation
+    assert not host_memory.sole_holder(t)
+
+
+def test_the_move_keeps_a_weight_that_something_else_still_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight whose memory another tensor shares is copied whole and its pages kept: only weights the move
+    frees (all of a model's, where nothing else holds them) are released as they are copied."""
+    from torch import nn
+
+    from pagoda.engine import llm_engine
+    from pagoda.engine.llm_engine import move_weights_to_huge_pages
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256, bias=False))
+    shared = model[1].weight.detach().view(-1)  # e.g. a caller's alias of one weight
+    expect = shared.clone()
+    released: list[bool] = []
+    real = host_memory.copy_releasing
+
+    def spy(dst: torch.Tensor, src: torch.Tensor, release: bool, chunk: int = host_memory.RELEASE_CHUNK) -> None:
+        released.append(release)
+        real(dst, src, release, chunk=4096)
+
+    monkeypatch.setattr(llm_engine, "copy_releasing", spy)
+    move_weights_to_huge_pages(model)
+    assert released == [True, True, False]  # weight, bias, the shared weight
+    assert torch.equal(shared, expect) and torch.equal(model[1].weight.view(-1), expect)
+
+
 @thp
 @pytest.mark.parametrize("scheme", ["none", "q8_0", "tiles"])
 @pytest.mark.parametrize("every", [1, 64 << 20])
@@ -175,9 +249,10 @@ def test_engine_weights_move_to_huge_pages(scheme: str, every: int, monkeypatch:
         prepack_linears(model)
     elif scheme != "none":
         quantize_linears(model, scheme)
-    before = model.lm_head(model.model(x))
-    ids = torch.tensor([0, 63, 17])
-    rows = model.embed(ids)
+    with torch.no_grad():  # as the engine runs: no autograd graph holding the weights
+        before = model.lm_head(model.model(x))
+        ids = torch.tensor([0, 63, 17])
+        rows = model.embed(ids)
     old = [weakref.ref(tiles_of(m)) for m in model.modules() if tiles_of(m) is not None]  # no name bound to one
     old += [weakref.ref(q.w) for q in map(packed_of, model.modules()) if q]
     assert bool(old) == (scheme != "none")
@@ -185,6 +260,12 @@ def test_engine_weights_move_to_huge_pages(scheme: str, every: int, monkeypatch:
     record = lambda: released.append([r() is None for r in old])  # noqa: E731
     monkeypatch.setattr(llm_engine, "release_free_heap", record)
     monkeypatch.setattr(host_memory, "release_free_heap", record)  # HeapReleaser's
+    releases: list[bool] = []
+    sources: list[int] = []
+    packed_biases = {q.bias.data_ptr() for q in map(packed_of, model.modules()) if q and q.bias is not None}
+    copy = host_memory.copy_releasing
+    monkeypatch.setattr(llm_engine, "copy_releasing", lambda dst, src, release: (
+        releases.append(release), sources.append(src.data_ptr()), copy(dst, src, release))[-1])
     moved = move_weights_to_huge_pages(model, release_every=every)
     assert released[-1] == [True] * len(old)
     if every == 1:  # a release after each tensor (the parameters first): the old copies die one by one
@@ -199,6 +280,8 @@ def test_engine_weights_move_to_huge_pages(scheme: str, every: int, monkeypatch:
     assert all(_advised(t.data_ptr()) for t in tensors)
     assert torch.equal(model.lm_head(model.model(x)), before)
     assert torch.equal(model.embed(ids), rows)  # a TiedEmbedding reads the tiles' new copy
+    # each old copy handed back as it was copied, but for a bias that a packed layer reads as it is (its storage)
+    assert releases == [ptr not in packed_biases for ptr in sources]
 
 
 @thp
