@@ -48,6 +48,9 @@ def parse_size(value: int | str, field: str = "kv_cache_memory") -> int:
     return n
 
 
+MAX_SCHEDULER_STEPS = 64
+
+
 def _positive_int(field: str, value: object, upper: int = 2**31) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= upper:
         raise ValueError(f"{field} must be an integer in [1, {upper}], got {value!r}")
@@ -139,10 +142,14 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     max_num_seqs: int = 256  # requests running at once
+    # Decode steps a scheduler step may run in one call (as vLLM's --num-scheduler-steps): the Python between steps
+    # is paid once for them; tokens then come in bursts (core/scheduler.py's _decode_steps says when)
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, 1 << 20)
         _positive_int("max_num_seqs", self.max_num_seqs, 1 << 16)
+        _positive_int("num_scheduler_steps", self.num_scheduler_steps, MAX_SCHEDULER_STEPS)
 
 
 @dataclass(frozen=True)

@@ -83,8 +83,18 @@ class _TimedOneCall:
         self.op_seconds = torch.zeros(len(OPS), dtype=torch.float64)
 
     def __call__(self, *args: Any) -> Any:
+        return self._timed(self.inner, *args)
+
+    def applies(self, meta: Any) -> bool:
+        return bool(self.inner.applies(meta))
+
+    def decode_steps(self, *args: Any) -> Any:
+        """Several decode steps in one call, timed as one (a step of the engine's)."""
+        return self._timed(self.inner.decode_steps, *args)
+
+    def _timed(self, call: Any, *args: Any) -> Any:
         start = time.perf_counter()
-        out = self.inner(*args, op_seconds=self.op_seconds)
+        out = call(*args, op_seconds=self.op_seconds)
         if out is not None:
             totals = self.profiler.totals
             totals["forward/one_call"] += time.perf_counter() - start

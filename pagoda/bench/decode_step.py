@@ -56,6 +56,9 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (default: the engine's)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="the engine's flag: decode steps run in one call; --steps must be a multiple of it, and "
+                        "times are still per decode step")
     p.add_argument("--torch-profile", action="store_true",
                    help="also print torch.profiler's table of the timed steps' ops (self CPU time)")
     p.add_argument("--rounds", type=int, default=1,
@@ -64,6 +67,10 @@ def main() -> None:
     p.add_argument("--versus", choices=sorted(VERSUS), default=None,
                    help="; ".join(f"{k}: {v}" for k, v in VERSUS.items()))
     args = p.parse_args()
+    if args.steps % args.num_scheduler_steps:
+        raise SystemExit("--steps must be a multiple of --num-scheduler-steps")
+    if args.num_scheduler_steps > 1 and (args.versus in EAGER_ONLY or args.versus == "eager-one-stream"):
+        raise SystemExit(f"--versus {args.versus} runs the eager forward, which takes decode steps one at a time")
     if args.gather == "advanced":
         paged_kv._take = _advanced_indexing
     if args.no_grouping:
@@ -71,7 +78,8 @@ def main() -> None:
     engine = LLM(attention_backend=args.attention_backend, dtype=args.dtype, compile_model=args.compile_model,
                  kv_cache_memory=args.kv_cache_memory,
                  prepack_weights=False if args.versus == "packed-weights" else args.prepack_weights,
-                 kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization).engine
+                 kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                 num_scheduler_steps=args.num_scheduler_steps).engine
     packed = any(is_packed(m) for m in engine.model.modules() if isinstance(m, torch.nn.Linear))
     rng = random.Random(0)
     for i in range(args.num_seqs):
@@ -100,7 +108,7 @@ def main() -> None:
                       "grouping": not args.no_grouping, "attention_backend": args.attention_backend,
                       "dtype": args.dtype, "compile_model": args.compile_model,
                       "prepack_weights": packed, "kv_cache_dtype": args.kv_cache_dtype,
-                      "quantization": args.quantization,
+                      "quantization": args.quantization, "num_scheduler_steps": args.num_scheduler_steps,
                       "startup_compile_s": round(engine.compile_seconds, 1),
                       "kv_cache_blocks": engine.limits.kv.num_blocks, "rounds": args.rounds,
                       "decode_step_ms": round(ms, 2), **extra}))
@@ -136,8 +144,8 @@ def _alternatives(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Call
     if args.versus in EAGER_ONLY:
         engine.model.one_stream_forward = None
 
-    def steps() -> None:
-        for _ in range(args.steps):
+    def steps() -> None:  # --steps decode steps: as many engine steps, or fewer that run several each
+        for _ in range(args.steps // args.num_scheduler_steps):
             engine.step()
 
     def after(setup: Callable[[], None]) -> Callable[[], None]:

@@ -29,6 +29,9 @@ class SchedulerOutput:
     # Second-tier copies to make before the forward pass, outs first: (block, slot) and (slot, block).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Decode steps to run (each sequence then has a token in each, its own sampled token the next's input), with
+    # the blocks of all of them in the tables; the runner may run fewer (ModelRunnerOutput.more says how many).
+    num_steps: int = 1
 
     @property
     def num_batched_tokens(self) -> int:
@@ -49,6 +52,8 @@ class SampledToken:
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # only requests whose step samples
+    # Where the runner ran several decode steps (SchedulerOutput.num_steps): each request's tokens after the first
+    more: dict[str, list[SampledToken]] = field(default_factory=dict)
     # Per request asking for prompt logprobs: (index of the first prompt token covered, one dict per
     # prompt token from there on) for the prompt positions computed this step.
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)

@@ -37,6 +37,9 @@ class Scheduler:
         self.waiting: list[Request] = []  # kept sorted by _waiting_key
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # The most decode steps a call runs (_decode_steps): config.num_scheduler_steps, or 1 where the engine's
+        # model cannot take several (LLMEngine sets it)
+        self.max_decode_steps = config.num_scheduler_steps
         # Tokens scheduled per tenant, decayed every step: the least-served tenant is admitted first.
         self.tenant_usage: dict[str | None, float] = {}
 
@@ -98,9 +101,29 @@ class Scheduler:
                 budget -= n
         self._schedule_waiting(budget, scheduled)
         out.seqs = list(scheduled.values())
+        out.num_steps = self._decode_steps(out.seqs)
         out.swap_out, out.swap_in = self.kv.take_swaps()
         self._account(out)
         return out
+
+    def _decode_steps(self, seqs: list[ScheduledSeq]) -> int:
+        """How many decode steps this step runs (max_decode_steps at most): several only where it is
+        decodes alone and nothing waits (a request that arrives waits for the whole call; one waiting already
+        would have waited num_scheduler_steps steps), at most as many as every request may still generate, and
+        only where each gets the blocks of all of them now (else one; blocks already given stay with their
+        requests, which fill them next). Where a request stops early (EOS, a stop string), the tokens computed
+        past its end are dropped."""
+        n = self.max_decode_steps
+        if n == 1 or self.waiting or not seqs or any(s.num_new_tokens != 1 or not s.samples for s in seqs):
+            return 1
+        for s in seqs:
+            req = s.request
+            n = min(n, req.max_total_tokens - req.num_tokens)
+            if req.params.max_tokens is not None:
+                n = min(n, req.params.max_tokens - req.num_output_tokens)
+        if n > 1 and all(self.kv.allocate_slots(s.request, n) for s in seqs):
+            return n
+        return 1
 
     def _account(self, out: SchedulerOutput) -> None:
         for tenant in self.tenant_usage:
@@ -189,16 +212,20 @@ class Scheduler:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += seq.num_new_tokens
-            self.kv.cache_full_blocks(req)
             token = result.sampled.get(req.request_id)
-            if token is None:
-                continue
-            req.output_token_ids.append(token.token_id)
-            new_tokens.append((req, token))
-            status = self._check_stop(req, token.token_id)
-            if status is not None:
-                self.finish_request(req.request_id, status)
+            tokens = [] if token is None else [token, *result.more.get(req.request_id, ())]
+            # one token a decode step: each step's input was the token before (several steps: one call)
+            for i, token in enumerate(tokens or [None]):
+                req.num_computed_tokens += seq.num_new_tokens if i == 0 else 1
+                self.kv.cache_full_blocks(req)
+                if token is None:
+                    break
+                req.output_token_ids.append(token.token_id)
+                new_tokens.append((req, token))
+                status = self._check_stop(req, token.token_id)
+                if status is not None:
+                    self.finish_request(req.request_id, status)
+                    break  # the tokens computed past it are dropped
         return new_tokens
 
     @staticmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +189,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, caches, plan.block_size, offload)
         if mc.fused_ops:  # outside the forward pass: also with --compile-model
             self.compile_seconds += self.runner.sampler.enable_fused()
+        steps = config.scheduler.num_scheduler_steps
+        if steps > 1 and (self.model.one_stream_forward is None or self.runner.sampler.lib is None):
+            # the scheduler would give blocks ahead that the steps, run one at a time, do not need
+            logger.warning("--num-scheduler-steps %d: decode steps run one at a time here (they run several in a "
+                           "call only through the one-call decode forward and the sampler's fused pass; the log "
+                           "above says why the forward is off)", steps)
+            self.scheduler.max_decode_steps = 1
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
         self.stats = EngineStats()
@@ -339,13 +347,23 @@ class LLMEngine:
             if parent.seqs[0].request.request_id == child_id:
                 parent.add_prompt_logprobs(first, entries)
         now = time.monotonic()
+        # tokens of each request still to come in this list (several where a step ran several decode steps)
+        left = Counter(req.request_id for req, _ in new_tokens)
+        stopped: set[str] = set()  # ended by a stop string at an earlier token of this step
         for req, token in new_tokens:
+            left[req.request_id] -= 1
+            if req.request_id in stopped:
+                self.stats.num_generation_tokens -= 1
+                continue
             parent = self.parents[self.child_to_parent[req.request_id]]
             state = next(s for s in parent.seqs if s.request is req)
             req.metrics.first_token_time = req.metrics.first_token_time or now
             if state.add_token(token):  # a stop string matched
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            elif req.is_finished:
+                stopped.add(req.request_id)
+                if left[req.request_id]:  # the tokens after it, computed in the same call, are dropped
+                    del req.output_token_ids[len(req.output_token_ids) - left[req.request_id]:]
+            elif req.is_finished and not left[req.request_id]:  # its last token (EOS, a length) is this one
                 state.finish(req.status)
             if req.is_finished:
                 req.metrics.finished_time = now

@@ -13,8 +13,9 @@ from pagoda.config import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, KV_CACHE_DT
 from pagoda.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ("model", "dtype", "block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
-                "max_model_len", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_prefault", "kv_offload_memory",
-                "attention_backend", "compile_model", "prepack_weights", "fused_ops", "quantization")
+                "num_scheduler_steps", "max_model_len", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_prefault",
+                "kv_offload_memory", "attention_backend", "compile_model", "prepack_weights", "fused_ops",
+                "quantization")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -34,6 +35,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "host backs memory lazily, seconds per GiB: BENCHMARKS.md); start-up pays instead")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
+    g.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps run in one call where a step is decodes alone and nothing waits (1-64; as "
+                        "vLLM's flag): the Python between steps is paid once for them, and tokens stream in bursts")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: cpp (compiled for float64 models; measured); sdpa: torch's fused attention; "

@@ -29,7 +29,7 @@ import functools
 import logging
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -366,6 +366,30 @@ class Sampler:
                 token_ids[i], logprobs[i] = t, lp
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs,
                              top_logprobs=_top_logprobs(logits, token_ids, rows))
+
+    def plain_steps(self, rows: list[SamplingRow], vocab: int,
+                    steps: int) -> tuple[Callable[[int, torch.Tensor, int], None], array] | None:
+        """For several decode steps in one call (OneStreamForward.decode_steps): a function that samples step s's
+        logits (len(rows), vocab; float32) into token ids (int64) at an address, as __call__ samples these rows in
+        a step of their own (the same C++ pass and arguments, each random row's draw taken from its stream at each
+        step), and the array it writes their raw logprobs to (steps x rows, float64). None where the pass is not
+        built, a row is not plain (_plain: it stays so as tokens are added) or a row asks for logprobs."""
+        if self.lib is None or not all(_plain(r, vocab) and r.params.logprobs is None for r in rows):
+            return None
+        n = len(rows)
+        picks, temps = array("q", range(n)), array("f", [r.params.temperature for r in rows])
+        u, logprobs = array("d", bytes(8 * n)), array("d", bytes(8 * n * steps))
+        work = array("d", bytes(8 * n * -(-vocab // _CDF_CHUNK)))
+        draws = [(i, r.uniforms) for i, r in enumerate(rows) if not r.params.greedy]
+        lib = self.lib
+
+        def sample(step: int, logits: torch.Tensor, ids: int) -> None:
+            for i, stream in draws:
+                u[i] = stream.next()
+            lib.pagoda_sample_plain(logits.data_ptr(), _address(picks), n, vocab, logits.stride(0), _address(temps),
+                                    _address(u), ids, _address(logprobs) + 8 * n * step, _address(work))
+
+        return sample, logprobs
 
     def _sample_plain(self, logits: torch.Tensor, rows: list[SamplingRow],
                       which: list[int]) -> tuple[list[int], list[float]]:

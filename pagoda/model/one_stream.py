@@ -29,6 +29,8 @@ import ctypes
 import logging
 import sys
 import time
+from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -37,7 +39,7 @@ from torch import nn
 
 from pagoda.layers.attention import PagedKVCache
 from pagoda.layers.attention.backend import AttentionMetadata
-from pagoda.layers.attention.cpp import CppAttentionBackend, decode_spans, writes_in_kernel
+from pagoda.layers.attention.cpp import CppAttentionBackend, span_cut, writes_in_kernel
 from pagoda.layers.attention.cpp import _library_for as _attention_library
 from pagoda.layers.attention.cpp import supports as cpp_supports
 from pagoda.layers.cpp_build import load_library
@@ -69,6 +71,9 @@ _BUFFERS = 13  # one_stream.cpp's bufs
 
 
 def _address(fn: Any) -> int:
+    """A ctypes function's address, or an array.array's first item's."""
+    if isinstance(fn, array):
+        return fn.buffer_info()[0]
     return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
 
@@ -213,20 +218,67 @@ class OneStreamForward:
         assert ids.dtype == pos.dtype == table.dtype == seq_lens.dtype == slots.dtype == torch.int64
         b, width = table.shape
         assert ids.shape == pos.shape == slots.shape == seq_lens.shape == (b,)
-        span_blocks, spans = decode_spans(b, width)
-        cfg = self._cfg
-        self._scratch(b, b * spans * cfg.num_heads * (cfg.head_dim + 2))
         out = torch.empty((b, self._hidden), dtype=self._dtype)
         lm_in_call = b <= self._lm_rows  # 0 where the lm_head is never in the call
         logits = torch.empty((b, self._vocab), dtype=self._logits_dtype) if lm_in_call else None
-        failed = self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale,
-                          self._bufs, b, ids.data_ptr(), self._embed.data_ptr(), self._final_norm.data_ptr(),
-                          self._cos.data_ptr(), self._sin.data_ptr(), self._cos.stride(0), self._cos.shape[0],
-                          pos.data_ptr(), slots.data_ptr(), table.data_ptr(), seq_lens.data_ptr(), width, span_blocks,
-                          out.data_ptr(), self._lm_w if lm_in_call else None,
-                          None if logits is None else logits.data_ptr(), self._vocab,
-                          None if op_seconds is None else _seconds_buffer(op_seconds))
+        failed = self._step(b, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), table.data_ptr(), width,
+                            seq_lens.data_ptr(), group.span_width, out, logits, op_seconds)
         return None if failed else (out, logits)
+
+    def _step(self, b: int, ids: int, positions: int, slots: int, table: int, table_width: int, seq_lens: int,
+              span_width: int, out: torch.Tensor, logits: torch.Tensor | None, op_seconds: torch.Tensor | None) -> int:
+        """One decode step of b rows from the addresses of its int64 inputs (ids, positions, slots, seq_lens: b
+        each; the block tables b x table_width), cutting each sequence's context into spans as a table span_width
+        blocks wide is cut (cpp.span_cut, as the eager path's kernel call); 1 where a position is past the rotary
+        tables (nothing computed)."""
+        span_blocks, spans = span_cut(b, table_width, span_width)
+        cfg = self._cfg
+        self._scratch(b, b * spans * cfg.num_heads * (cfg.head_dim + 2))
+        return int(self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale,
+                            self._bufs, b, ids, self._embed.data_ptr(), self._final_norm.data_ptr(),
+                            self._cos.data_ptr(), self._sin.data_ptr(), self._cos.stride(0), self._cos.shape[0],
+                            positions, slots, table, seq_lens, table_width, span_blocks, out.data_ptr(),
+                            self._lm_w if logits is not None else None,
+                            None if logits is None else logits.data_ptr(), self._vocab,
+                            None if op_seconds is None else _seconds_buffer(op_seconds)))
+
+    def decode_steps(self, tables: list[list[int]], positions: list[int], ids: list[int], block_size: int,
+                     steps: int, sample: Callable[[int, torch.Tensor, int], None],
+                     op_seconds: torch.Tensor | None = None) -> tuple[array, int] | None:
+        """Up to `steps` decode steps of b sequences in a row, each step's inputs its sampled tokens: sequence r's
+        first step takes token ids[r] at position positions[r], its block table tables[r] holding every block the
+        steps write. After step s's forward, sample(s, logits, address) writes the step's b token ids (int64) at
+        address: the ids the next step takes. Each step is the one-call step the engine would run alone (the same
+        span cut: its sequences' blocks so far, as the table of a step of its own is wide), so the tokens are the
+        same as from steps taken one by one. Returns ((steps + 1) x b token ids, row 0 the inputs; and the steps
+        run: fewer than asked where a position is past the rotary tables), or None where the forward does not take
+        these steps (the lm_head outside the call, or logits that are not float32; no step was run)."""
+        b = len(ids)
+        if not 0 < b <= min(self.max_rows, self._lm_rows) or self._logits_dtype != torch.float32:
+            return None
+        width = max(len(t) for t in tables)
+        lens = [[p + s + 1 for p in positions] for s in range(steps)]
+        slots = [[t[(p + s) // block_size] * block_size + (p + s) % block_size for t, p in zip(tables, positions,
+                                                                                                strict=True)]
+                 for s in range(steps)]
+        flat = [x for t in tables for x in t + [0] * (width - len(t))]
+        data = torch.tensor(flat + [x for row in slots for x in row] + [x for row in lens for x in row]
+                            + [p + s for s in range(steps) for p in positions], dtype=torch.int64)
+        base, stride = data.data_ptr(), b * 8
+        slot0 = base + len(flat) * 8
+        len0, pos0 = slot0 + steps * stride, slot0 + 2 * steps * stride
+        tokens = array("q", ids + [0] * (steps * b))
+        out = torch.empty((b, self._hidden), dtype=self._dtype)
+        logits = torch.empty((b, self._vocab), dtype=torch.float32)
+        done = 0
+        for s in range(steps):
+            blocks = -(-max(lens[s]) // block_size)  # the table's width in a step of its own
+            if self._step(b, _address(tokens) + s * stride, pos0 + s * stride, slot0 + s * stride, base, width,
+                          len0 + s * stride, blocks, out, logits, op_seconds):
+                break
+            sample(s, logits, _address(tokens) + (s + 1) * stride)
+            done += 1
+        return tokens, done
 
 
 def _seconds_buffer(op_seconds: torch.Tensor) -> int:

@@ -58,20 +58,46 @@ class ModelRunner:
         prof = self.profiler
         with prof.phase("prepare_inputs"):
             inputs = self.prepare(sched)
+        if sched.num_steps > 1 and (out := self._decode_steps(sched, inputs)) is not None:
+            return out
         with prof.phase("forward"):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         with prof.phase("sampling"):
             return self._sample(sched, inputs, hidden)
+
+    def _decode_steps(self, sched: SchedulerOutput, inputs: StepInputs) -> ModelRunnerOutput | None:
+        """sched.num_steps decode steps in one call of the one-call forward, each sampled in it as a step of its own
+        samples (Sampler.plain_steps): the same tokens as steps taken one by one. None (nothing run, nothing drawn)
+        where that forward does not take the step, a row is not plain or asks for logprobs: the step then runs
+        alone, its later blocks filled by the next steps."""
+        one_call = self.model.one_stream_forward
+        if one_call is None or not one_call.applies(inputs.meta) or len(inputs.sample_seqs) != len(sched.seqs):
+            return None
+        plain = self.sampler.plain_steps([_row(s) for s in sched.seqs], self.model.lm_head.out_features,
+                                         sched.num_steps)
+        if plain is None:
+            return None
+        sample, logprobs = plain
+        with self.profiler.phase("forward"):
+            done = one_call.decode_steps([s.block_table for s in sched.seqs], [s.start_pos for s in sched.seqs],
+                                         inputs.input_ids.tolist(), self.block_size, sched.num_steps, sample)
+        if done is None or done[1] == 0:  # no step taken (a position past the rotary tables: the eager path raises)
+            return None
+        tokens, steps = done
+        b, out = len(sched.seqs), ModelRunnerOutput()
+        for i, s in enumerate(sched.seqs):
+            got = [SampledToken(tokens[(k + 1) * b + i], logprobs[k * b + i]) for k in range(steps)]
+            out.sampled[s.request.request_id] = got[0]
+            if steps > 1:
+                out.more[s.request.request_id] = got[1:]
+        return out
 
     def _sample(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
         if inputs.sample_rows:
             rows_all = inputs.sample_rows == list(range(hidden.shape[0]))  # decode steps: no copy (an op less)
             logits = self._logits(hidden if rows_all else hidden[inputs.sample_rows])
-            rows = [SamplingRow(params=s.request.params, uniforms=s.request.uniforms,
-                                prompt_token_ids=s.request.prompt_token_ids,
-                                output_token_ids=s.request.output_token_ids,
-                                eos_token_ids=s.request.eos_token_ids) for s in inputs.sample_seqs]
+            rows = [_row(s) for s in inputs.sample_seqs]
             sampled = self.sampler(logits, rows)
             for i, s in enumerate(inputs.sample_seqs):
                 out.sampled[s.request.request_id] = SampledToken(
@@ -97,3 +123,10 @@ class ModelRunner:
             logits = self._logits(hidden[row0: row0 + last - seq.start_pos])
             targets = torch.tensor(req.prompt_token_ids[seq.start_pos + 1: last + 1], dtype=torch.long)
             out.prompt_logprobs[req.request_id] = (seq.start_pos + 1, prompt_logprobs(logits, targets, k))
+
+
+def _row(seq: ScheduledSeq) -> SamplingRow:
+    """What the sampler reads of a request's row this step."""
+    r = seq.request
+    return SamplingRow(params=r.params, uniforms=r.uniforms, prompt_token_ids=r.prompt_token_ids,
+                       output_token_ids=r.output_token_ids, eos_token_ids=r.eos_token_ids)

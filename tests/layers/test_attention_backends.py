@@ -55,7 +55,7 @@ def test_cpp_backend_matches_reference(dtype: torch.dtype, tol: float, storage: 
     import pagoda.layers.attention.cpp as cpp
 
     calls = []
-    monkeypatch.setattr(cpp, "paged_decode", lambda *a: calls.append(1) or paged_decode(*a))
+    monkeypatch.setattr(cpp, "paged_decode", lambda *a, **k: calls.append(1) or paged_decode(*a, **k))
     # prompts in the loop kernel: the bfloat16 one has tests of its own
     monkeypatch.setattr(cpp, "BF16_PREFILL", False)
     storage_dtype = {"model": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16,
@@ -197,6 +197,10 @@ def test_cpp_kernel_on_long_scattered_contexts(num_seqs: int, storage: str) -> N
         out.zero_()
         call()
         assert torch.equal(out, got)
+    # blocks given ahead (several decode steps a call): a wider table, cut into spans as the 44 blocks the contexts
+    # take are (DecodeGroup.span_width), gives the same bits; the kernel's spans past them do nothing
+    ahead = torch.cat([tables, torch.randint(0, 2000, (num_seqs, 29), generator=g)], dim=1)
+    assert torch.equal(paged_decode(q, cache, ahead, lens, 0.125, span_width=44), got)
 
 
 @pytest.mark.parametrize(("hkv", "group", "block_size", "d"), [(2, 1, 16, 64), (2, 2, 32, 32), (1, 8, 16, 16),

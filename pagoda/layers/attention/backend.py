@@ -30,6 +30,10 @@ class DecodeGroup:
     # prompt chunks (the scheduler's order): the backend then slices q and out instead of gathering and scattering
     # rows (torch's index and index_put, ~50 us together at 128 rows, once per layer)
     row_range: tuple[int, int] | None = None
+    # The blocks the longest sequence's context takes (the table's width, but where the scheduler gave blocks ahead
+    # for several decode steps a call): the cpp kernel cuts contexts into spans by it, so that a step's outputs do
+    # not depend on blocks given ahead. 0: the table's width.
+    span_width: int = 0
 
 
 @dataclass
@@ -99,7 +103,7 @@ def build_attention_metadata(seqs: list[tuple[list[int], int, int]], block_size:
     decodes = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
     padding = DECODE_GROUP_PADDING if group_padding is None else group_padding
     members = _group_by_length(decodes, lengths, padding)
-    groups = [_decode_group(g, seqs, qsl, seq_lens) for g in members]
+    groups = [_decode_group(g, seqs, qsl, seq_lens, block_size) for g in members]
     if len(groups) == 1 and len(decodes) == len(seqs):  # its rows are 0..B-1 in order
         groups[0].whole_step = members[0] == list(range(len(seqs)))
     prefill_idx = [i for i, (_, _, n) in enumerate(seqs) if n > 1]
@@ -128,7 +132,7 @@ def _group_by_length(idx: list[int], lengths: list[int], padding: float) -> list
 
 
 def _decode_group(idx: list[int], seqs: list[tuple[list[int], int, int]], qsl: list[int],
-                  seq_lens: list[int]) -> DecodeGroup:
+                  seq_lens: list[int], block_size: int) -> DecodeGroup:
     width = max(len(seqs[i][0]) for i in idx)
     padded = [list(seqs[i][0]) + [0] * (width - len(seqs[i][0])) for i in idx]
     rows = [qsl[i] for i in idx]
@@ -136,7 +140,8 @@ def _decode_group(idx: list[int], seqs: list[tuple[list[int], int, int]], qsl: l
     return DecodeGroup(rows=torch.tensor(rows, dtype=torch.long),
                        block_tables=torch.tensor(padded, dtype=torch.long),
                        seq_lens=torch.tensor([seq_lens[i] for i in idx], dtype=torch.long),
-                       row_range=(rows[0], rows[0] + len(rows)) if consecutive else None)
+                       row_range=(rows[0], rows[0] + len(rows)) if consecutive else None,
+                       span_width=-(-max(seq_lens[i] for i in idx) // block_size))
 
 
 class AttentionBackend(Protocol):

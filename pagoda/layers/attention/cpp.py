@@ -168,23 +168,33 @@ def decode_spans(b: int, width: int) -> tuple[int, int]:
     return span_blocks, -(-width // span_blocks)
 
 
+def span_cut(b: int, table_width: int, span_width: int = 0) -> tuple[int, int]:
+    """(blocks per span, the kernel's spans per sequence) for b sequences whose tables are table_width wide, cut
+    as tables span_width wide would be (0: table_width): the kernel makes spans of the whole table's width, and
+    those past a sequence's blocks do nothing."""
+    span_blocks, _ = decode_spans(b, span_width or table_width)
+    return span_blocks, -(-table_width // span_blocks)
+
+
 def paged_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float, rev: str | None = None) -> torch.Tensor:
+                 scale: float, rev: str | None = None, span_width: int = 0) -> torch.Tensor:
     """q (B, Hq, D); block_tables (B, W) int64; seq_lens (B,) int64, each >= 1 -> (B, Hq, D) in q's dtype.
     rev: the kernel as of that git revision (`bench.decode_attention --versus-rev`)."""
-    call, out = prepared_decode(q, kv_cache, block_tables, seq_lens, scale, rev)
+    call, out = prepared_decode(q, kv_cache, block_tables, seq_lens, scale, rev, span_width)
     call()
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def prepared_decode(q: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, rev: str | None = None) -> tuple[Callable[[], None], torch.Tensor]:
+                    scale: float, rev: str | None = None,
+                    span_width: int = 0) -> tuple[Callable[[], None], torch.Tensor]:
     """paged_decode's kernel call with its arguments bound, and the float32 output it writes (B, Hq, D): each
-    call of it runs the kernel alone, as the one-call forward does (`bench.decode_attention --kernel-only`)."""
+    call of it runs the kernel alone, as the one-call forward does (`bench.decode_attention --kernel-only`).
+    span_width: the width the spans are cut by (DecodeGroup.span_width; 0: the table's)."""
     b, hq, d = q.shape
     lib = _library_for(kv_cache, hq, rev=rev)
     width = block_tables.shape[1]
-    span_blocks, spans = decode_spans(b, width)
+    span_blocks, spans = span_cut(b, width, span_width)
     # float32 rows of one run each (views into the q/k/v output) are read in place, others copied out first (and
     # all of them for a revision before pagoda_paged_decode_rows, whose kernel takes contiguous rows)
     rows = hasattr(lib, "pagoda_paged_decode_rows")
@@ -432,7 +442,7 @@ class CppAttentionBackend(KernelBackend):
     def decode(self, q: torch.Tensor, kv_cache: PagedKVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
         if self.fallback or not supports(kv_cache, q.dtype):
             return super().decode(q, kv_cache, group, scale)
-        return paged_decode(q, kv_cache, group.block_tables, group.seq_lens, scale)
+        return paged_decode(q, kv_cache, group.block_tables, group.seq_lens, scale, span_width=group.span_width)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache,
                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
