@@ -127,10 +127,10 @@ class Scheduler:
 
     def _account(self, out: SchedulerOutput) -> None:
         for tenant in self.tenant_usage:
-            self.tenant_usage[tenant] *= TENANT_USAGE_DECAY
+            self.tenant_usage[tenant] *= TENANT_USAGE_DECAY ** out.num_steps  # per decode step run
         for seq in out.seqs:
             t = seq.request.tenant
-            self.tenant_usage[t] = self.tenant_usage.get(t, 0.0) + seq.num_new_tokens
+            self.tenant_usage[t] = self.tenant_usage.get(t, 0.0) + seq.num_new_tokens * out.num_steps
         if len(self.tenant_usage) > 1024:  # forget tenants that have gone quiet
             self.tenant_usage = {t: u for t, u in self.tenant_usage.items() if u > 1.0}
 
