@@ -273,7 +273,7 @@ def test_decode_step_versus_another_attention_backend(capsys: pytest.CaptureFixt
 
     calls: list[int] = []
     kernel = cpp.paged_decode
-    monkeypatch.setattr(cpp, "paged_decode", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(cpp, "paged_decode", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     argv = ["--num-seqs", "4", "--input-len", "8:20", "--steps", "2", "--rounds", "2", "--versus", "cpp-attention",
             "--kv-cache-memory", "64MiB"]
     (row,) = run_module(main, argv, capsys, monkeypatch)
