@@ -212,14 +212,15 @@ class Scheduler:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            token = result.sampled.get(req.request_id)
-            tokens = [] if token is None else [token, *result.more.get(req.request_id, ())]
-            # one token a decode step: each step's input was the token before (several steps: one call)
-            for i, token in enumerate(tokens or [None]):
-                req.num_computed_tokens += seq.num_new_tokens if i == 0 else 1
-                self.kv.cache_full_blocks(req)
-                if token is None:
-                    break
+            req.num_computed_tokens += seq.num_new_tokens
+            self.kv.cache_full_blocks(req)
+            first = result.sampled.get(req.request_id)
+            if first is None:
+                continue
+            for i, token in enumerate([first, *result.more.get(req.request_id, ())]):
+                if i:  # a later decode step of the same call (SchedulerOutput.num_steps): its input, the token
+                    req.num_computed_tokens += 1  # before, is in the cache now
+                    self.kv.cache_full_blocks(req)
                 req.output_token_ids.append(token.token_id)
                 new_tokens.append((req, token))
                 status = self._check_stop(req, token.token_id)

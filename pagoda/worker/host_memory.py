@@ -180,12 +180,13 @@ _MADV_DONTNEED = 4  # Linux's
 
 
 def sole_holder(t: torch.Tensor, alias: bool = False) -> bool:
-    """Whether the caller's tensor is all that holds t's memory: its storage is t's alone, counted by the storage's
-    use count (t, the storage's Python wrapper, and with alias the tensor t aliases: a parameter whose `.data` t
-    is). A view, or another tensor over the same storage anywhere, makes it False."""
+    """Whether the caller's tensor is all that holds t's memory: torch allocated it (resizable: not memory a NumPy
+    array, a buffer or a file mapping lends, whose other holders torch cannot count), and its storage is t's alone,
+    counted by the storage's use count (t, the storage's Python wrapper, and with alias the tensor t aliases: a
+    parameter whose `.data` t is). A view, or another tensor over the same storage anywhere, makes it False."""
     storage = t.untyped_storage()
     whole = t.storage_offset() == 0 and t.numel() * t.element_size() == storage.nbytes()
-    return whole and torch._C._storage_Use_Count(storage._cdata) == 2 + alias
+    return whole and storage.resizable() and torch._C._storage_Use_Count(storage._cdata) == 2 + alias
 
 
 def copy_releasing(dst: torch.Tensor, src: torch.Tensor, release: bool, chunk: int = RELEASE_CHUNK) -> None:

@@ -7,6 +7,7 @@ import platform
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -192,6 +193,8 @@ def test_sole_holder_counts_every_tensor_over_the_storage() -> None:
     other = torch.tensor([])
     other.set_(t.untyped_storage())  # another tensor over the same storage, no view relation
     assert not host_memory.sole_holder(t)
+    # memory torch did not allocate: a NumPy array's (which may have other holders torch cannot count)
+    assert not host_memory.sole_holder(torch.from_numpy(np.zeros(1000, dtype=np.float32)))
 
 
 def test_the_move_keeps_a_weight_that_something_else_still_reads(monkeypatch: pytest.MonkeyPatch) -> None:
