@@ -243,15 +243,17 @@ class OneStreamForward:
                             None if op_seconds is None else _seconds_buffer(op_seconds)))
 
     def decode_steps(self, tables: list[list[int]], positions: list[int], ids: list[int], block_size: int,
-                     steps: int, sample: Callable[[int, torch.Tensor, int], None],
+                     steps: int, sample: Callable[[int, torch.Tensor, int], bool],
                      op_seconds: torch.Tensor | None = None) -> tuple[array, int] | None:
         """Up to `steps` decode steps of b sequences in a row, each step's inputs its sampled tokens: sequence r's
         first step takes token ids[r] at position positions[r], its block table tables[r] holding every block the
         steps write. After step s's forward, sample(s, logits, address) writes the step's b token ids (int64) at
-        address: the ids the next step takes. Each step is the one-call step the engine would run alone (the same
+        address: the ids the next step takes; it returns True where no row needs more steps (each has stopped), and
+        the call then ends there. Each step is the one-call step the engine would run alone (the same
         span cut: its sequences' blocks so far, as the table of a step of its own is wide), so the tokens are the
         same as from steps taken one by one. Returns ((steps + 1) x b token ids, row 0 the inputs; and the steps
-        run: fewer than asked where a position is past the rotary tables), or None where the forward does not take
+        run: fewer than asked where every row stopped or a position is past the rotary tables), or None where the
+        forward does not take
         these steps (the lm_head outside the call, or logits that are not float32; no step was run)."""
         b = len(ids)
         if not 0 < b <= min(self.max_rows, self._lm_rows) or self._logits_dtype != torch.float32:
@@ -276,8 +278,9 @@ class OneStreamForward:
             if self._step(b, _address(tokens) + s * stride, pos0 + s * stride, slot0 + s * stride, base, width,
                           len0 + s * stride, blocks, out, logits, op_seconds):
                 break
-            sample(s, logits, _address(tokens) + (s + 1) * stride)
             done += 1
+            if sample(s, logits, _address(tokens) + (s + 1) * stride):
+                break
         return tokens, done
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -78,13 +79,27 @@ class ModelRunner:
         if plain is None:
             return None
         sample, logprobs = plain
+        b = len(sched.seqs)
+        # the tokens that stop each row (plain rows have no min_tokens left to wait for), and the rows not stopped
+        stops = [(frozenset() if r.params.ignore_eos else r.eos_token_ids) | frozenset(r.params.stop_token_ids or ())
+                 for r in (s.request for s in sched.seqs)]
+        running = set(range(b))
+
+        def sample_and_check(step: int, logits: torch.Tensor, ids: int) -> bool:
+            """Sample the step; True where every row has stopped (no later step is needed)."""
+            sample(step, logits, ids)
+            got = (ctypes.c_int64 * b).from_address(ids)
+            running.difference_update([i for i in running if got[i] in stops[i]])
+            return not running
+
         with self.profiler.phase("forward"):
             done = one_call.decode_steps([s.block_table for s in sched.seqs], [s.start_pos for s in sched.seqs],
-                                         inputs.input_ids.tolist(), self.block_size, sched.num_steps, sample)
+                                         inputs.input_ids.tolist(), self.block_size, sched.num_steps,
+                                         sample_and_check)
         if done is None or done[1] == 0:  # no step taken (a position past the rotary tables: the eager path raises)
             return None
         tokens, steps = done
-        b, out = len(sched.seqs), ModelRunnerOutput()
+        out = ModelRunnerOutput()
         for i, s in enumerate(sched.seqs):
             got = [SampledToken(tokens[(k + 1) * b + i], logprobs[k * b + i]) for k in range(steps)]
             out.sampled[s.request.request_id] = got[0]

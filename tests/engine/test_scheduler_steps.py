@@ -63,9 +63,11 @@ def test_several_steps_a_call_give_the_tokens_of_single_steps(tiny_model: tuple[
         assert steps[4] < steps[1] * 0.45
 
 
-def test_a_stop_inside_a_call_drops_the_tokens_after_it(tiny_model: tuple[str, Path]) -> None:
+def test_a_stop_inside_a_call_drops_the_tokens_after_it(tiny_model: tuple[str, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A stop token id, a stop string and EOS that come in the middle of a call's tokens end the request where
-    steps one by one end it: its tokens, text and reason the same, the tokens computed after the stop dropped."""
+    steps one by one end it: its tokens, text and reason the same, the tokens computed after the stop dropped; and
+    where every row of a call has stopped (by a token: EOS or a stop id), the call runs no more steps."""
     arch, folder = tiny_model
     if arch == "qwen3":
         return  # no one-call forward: nothing runs several steps
@@ -88,6 +90,18 @@ def test_a_stop_inside_a_call_drops_the_tokens_after_it(tiny_model: tuple[str, P
             several = got
         assert not llm.engine.kv.block_tables
     assert several == got
+    # alone, a request that stops inside a call ends the call there: one step a token up to the stop, none after
+    from pagoda.model.one_stream import OneStreamForward
+
+    llm = _llm(folder, 4, "none")
+    llm.engine.tokenizer.eos_token_ids = frozenset({tokens[first]})
+    calls: list[int] = []
+    step = OneStreamForward._step
+    monkeypatch.setattr(OneStreamForward, "_step", lambda self, *a: calls.append(1) or step(self, *a))
+    assert _run(llm, [prompt], [cases[2]]) == [several[2]]
+    # one step a token 0..first (the one-token prompt's step is a one-call step too); the stop falls inside a call
+    # (tokens 1-4, 5-8, 9-12 are the calls), which would otherwise have run to its end
+    assert len(prompt) == 1 and first % 4 and len(calls) == first + 1
     assert several[0][0] == tokens[:first + 1] and several[0][3] == "stop" and several[0][4] == token
     assert several[1][3] == "stop" and several[1][4] == fragment and len(several[1][0]) < len(tokens)
     assert several[2][0] == tokens[:first + 1] and several[2][3] == "stop" and several[2][4] is None  # EOS
