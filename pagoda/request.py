@@ -92,6 +92,12 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def stop_tokens(self) -> frozenset[int]:
+        """The tokens that end this request once min_tokens are out: EOS (unless ignore_eos) and stop_token_ids."""
+        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(self.params.stop_token_ids or ())
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids in [start, end) over prompt + output."""
         p = len(self.prompt_token_ids)

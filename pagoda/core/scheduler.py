@@ -232,13 +232,10 @@ class Scheduler:
     @staticmethod
     def _check_stop(req: Request, token_id: int) -> RequestStatus | None:
         p = req.params
-        if req.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token_id in req.eos_token_ids:
-                req.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if p.stop_token_ids and token_id in p.stop_token_ids:
-                req.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.min_tokens and token_id in req.stop_tokens:
+            # EOS reports no stop reason, a stop token id itself
+            req.stop_reason = None if not p.ignore_eos and token_id in req.eos_token_ids else token_id
+            return RequestStatus.FINISHED_STOPPED
         if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if req.num_tokens >= req.max_total_tokens:

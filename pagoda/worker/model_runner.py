@@ -81,8 +81,7 @@ class ModelRunner:
         sample, logprobs = plain
         b = len(sched.seqs)
         # the tokens that stop each row (plain rows have no min_tokens left to wait for), and the rows not stopped
-        stops = [(frozenset() if r.params.ignore_eos else r.eos_token_ids) | frozenset(r.params.stop_token_ids or ())
-                 for r in (s.request for s in sched.seqs)]
+        stops = [s.request.stop_tokens for s in sched.seqs]
         running = set(range(b))
 
         def sample_and_check(step: int, logits: torch.Tensor, ids: int) -> bool:
