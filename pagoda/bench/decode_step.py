@@ -56,6 +56,8 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (default: the engine's)")
+    p.add_argument("--kv-cache-prefault", action="store_true",
+                   help="the engine's flag: the cache backed at start-up, on huge pages where the system allows")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="the engine's flag: decode steps run in one call; --steps must be a multiple of it, and "
                         "times are still per decode step")
@@ -76,7 +78,7 @@ def main() -> None:
     if args.no_grouping:
         attention_backend.DECODE_GROUP_PADDING = float("inf")
     engine = LLM(attention_backend=args.attention_backend, dtype=args.dtype, compile_model=args.compile_model,
-                 kv_cache_memory=args.kv_cache_memory,
+                 kv_cache_memory=args.kv_cache_memory, kv_cache_prefault=args.kv_cache_prefault,
                  prepack_weights=False if args.versus == "packed-weights" else args.prepack_weights,
                  kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                  num_scheduler_steps=args.num_scheduler_steps).engine

@@ -18,7 +18,8 @@ the highest-priority oldest request always makes progress: no deadlock.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, PrefixHit
@@ -40,6 +41,11 @@ class Scheduler:
         # The most decode steps a call runs (_decode_steps): config.num_scheduler_steps, or 1 where the engine's
         # model cannot take several (LLMEngine sets it)
         self.max_decode_steps = config.num_scheduler_steps
+        # Whether a request's row is one that several steps in one call take (the sampler's rule; LLMEngine sets
+        # it, and the most rows such a call takes, max_steps_rows): a step with any other runs alone, and no blocks
+        # are given ahead for steps that would not run
+        self.takes_steps: Callable[[Request], bool] = lambda req: True
+        self.max_steps_rows = sys.maxsize
         # Tokens scheduled per tenant, decayed every step: the least-served tenant is admitted first.
         self.tenant_usage: dict[str | None, float] = {}
 
@@ -108,13 +114,14 @@ class Scheduler:
 
     def _decode_steps(self, seqs: list[ScheduledSeq]) -> int:
         """How many decode steps this step runs (max_decode_steps at most): several only where it is
-        decodes alone and nothing waits (a request that arrives waits for the whole call; one waiting already
-        would have waited num_scheduler_steps steps), at most as many as every request may still generate, and
-        only where each gets the blocks of all of them now (else one; blocks already given stay with their
-        requests, which fill them next). Where a request stops early (EOS, a stop string), the tokens computed
-        past its end are dropped."""
+        decodes alone, of rows such a call takes (takes_steps, max_steps_rows), and nothing waits (a request that
+        arrives waits for the whole call; one waiting already would have waited num_scheduler_steps steps), at most
+        as many as every request may still generate, and only where each gets the blocks of all of them now (else
+        one; blocks already given stay with their requests, which fill them next). Where a request stops early
+        (EOS, a stop string), the tokens computed past its end are dropped."""
         n = self.max_decode_steps
-        if n == 1 or self.waiting or not seqs or any(s.num_new_tokens != 1 or not s.samples for s in seqs):
+        if n == 1 or self.waiting or not seqs or len(seqs) > self.max_steps_rows or any(
+                s.num_new_tokens != 1 or not s.samples or not self.takes_steps(s.request) for s in seqs):
             return 1
         for s in seqs:
             req = s.request

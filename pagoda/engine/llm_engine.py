@@ -19,6 +19,7 @@ from pagoda.engine.output_processor import ParentState, new_parent
 from pagoda.layers.attention import PagedKVCache, get_attention_backend
 from pagoda.layers.linear import enable_gemv, prepack_linears, should_prepack, tiles_of
 from pagoda.layers.q4_linear import packed_of, quantize_linears
+from pagoda.layers.sampler import takes_steps
 from pagoda.model.loader import load_model
 from pagoda.outputs import RequestOutput
 from pagoda.profiler import NULL_PROFILER, StepProfiler
@@ -189,13 +190,17 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, caches, plan.block_size, offload)
         if mc.fused_ops:  # outside the forward pass: also with --compile-model
             self.compile_seconds += self.runner.sampler.enable_fused()
-        steps = config.scheduler.num_scheduler_steps
-        if steps > 1 and (self.model.one_stream_forward is None or self.runner.sampler.lib is None):
+        steps, one_call = config.scheduler.num_scheduler_steps, self.model.one_stream_forward
+        if steps > 1 and (one_call is None or not one_call.steps_rows or self.runner.sampler.lib is None):
             # the scheduler would give blocks ahead that the steps, run one at a time, do not need
             logger.warning("--num-scheduler-steps %d: decode steps run one at a time here (they run several in a "
-                           "call only through the one-call decode forward and the sampler's fused pass; the log "
-                           "above says why the forward is off)", steps)
+                           "call only through the one-call decode forward with its lm_head in the call and the "
+                           "sampler's fused pass; the log above says why the forward is off)", steps)
             self.scheduler.max_decode_steps = 1
+        elif steps > 1 and one_call is not None:  # the steps the call takes, so that no others get blocks ahead
+            vocab = self.model.lm_head.out_features
+            self.scheduler.takes_steps = lambda req: takes_steps(req.params, req.num_output_tokens, vocab)
+            self.scheduler.max_steps_rows = one_call.steps_rows
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
         self.stats = EngineStats()

@@ -82,12 +82,12 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]
 
 
-def _needs_logit_processing(row: SamplingRow) -> bool:
-    """Whether the row has any bias, min_tokens block or penalty to apply this step."""
-    p = row.params
+def _needs_logit_processing(p: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a row with these params and output tokens so far has any bias, min_tokens block or penalty to apply
+    this step."""
     return bool(
         p.logit_bias
-        or len(row.output_token_ids) < p.min_tokens
+        or num_output_tokens < p.min_tokens
         or p.repetition_penalty != 1.0
         or p.frequency_penalty != 0.0
         or p.presence_penalty != 0.0
@@ -124,7 +124,7 @@ def apply_logit_processing(logits: torch.Tensor, rows: list[SamplingRow]) -> tor
     Returns the input tensor itself when no row needs any of them, else a processed copy: the
     caller's tensor is never modified, and rows without bias or penalty cost nothing.
     """
-    todo = [i for i, r in enumerate(rows) if _needs_logit_processing(r)]
+    todo = [i for i, r in enumerate(rows) if _needs_logit_processing(r.params, len(r.output_token_ids))]
     if not todo:
         return logits
     processed = logits.clone()
@@ -313,11 +313,17 @@ def _library() -> Any:
     return lib
 
 
-def _plain(row: SamplingRow, vocab: int) -> bool:
+def _plain(p: SamplingParams, num_output_tokens: int, vocab: int) -> bool:
     """Greedy, or random with no filter; and no bias, min_tokens block or penalty this step."""
-    p = row.params
-    return not _needs_logit_processing(row) and (
+    return not _needs_logit_processing(p, num_output_tokens) and (
         p.greedy or (p.top_p == 1.0 and not 0 < p.top_k < vocab and p.min_p == 0.0))
+
+
+def takes_steps(params: SamplingParams, num_output_tokens: int, vocab: int) -> bool:
+    """Whether a request's row is one that several decode steps in one call sample (Sampler.plain_steps): plain
+    now, so in every later step too (a min_tokens block only ends as tokens are added), and without logprobs.
+    The scheduler asks it before it plans such a call (LLMEngine sets Scheduler.takes_steps)."""
+    return params.logprobs is None and _plain(params, num_output_tokens, vocab)
 
 
 class Sampler:
@@ -352,7 +358,7 @@ class Sampler:
         token_ids, logprobs = [0] * n, [0.0] * n
         fused = []
         if self.lib is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
-            fused = [i for i, r in enumerate(rows) if _plain(r, vocab)]
+            fused = [i for i, r in enumerate(rows) if _plain(r.params, len(r.output_token_ids), vocab)]
         if fused:
             ids, lps = self._sample_plain(logits, rows, fused)
             for j, i in enumerate(fused):
@@ -373,8 +379,8 @@ class Sampler:
         logits (len(rows), vocab; float32) into token ids (int64) at an address, as __call__ samples these rows in
         a step of their own (the same C++ pass and arguments, each random row's draw taken from its stream at each
         step), and the array it writes their raw logprobs to (steps x rows, float64). None where the pass is not
-        built, a row is not plain (_plain: it stays so as tokens are added) or a row asks for logprobs."""
-        if self.lib is None or not all(_plain(r, vocab) and r.params.logprobs is None for r in rows):
+        built or a row is not one they take (takes_steps)."""
+        if self.lib is None or not all(takes_steps(r.params, len(r.output_token_ids), vocab) for r in rows):
             return None
         n = len(rows)
         picks, temps = array("q", range(n)), array("f", [r.params.temperature for r in rows])

@@ -179,6 +179,11 @@ class OneStreamForward:
         self._fn = lib.pagoda_one_stream_forward
         self._hidden = cfg.hidden_size
 
+    @property
+    def steps_rows(self) -> int:
+        """The most rows decode_steps takes: its lm_head in the call with float32 logits (0: never)."""
+        return min(self.max_rows, self._lm_rows) if self._logits_dtype == torch.float32 else 0
+
     def applies(self, meta: AttentionMetadata) -> bool:
         """Whether the step is decodes alone, in one group in batch order, at most max_rows of them."""
         groups = meta.decode_groups
@@ -256,7 +261,7 @@ class OneStreamForward:
         forward does not take
         these steps (the lm_head outside the call, or logits that are not float32; no step was run)."""
         b = len(ids)
-        if not 0 < b <= min(self.max_rows, self._lm_rows) or self._logits_dtype != torch.float32:
+        if not 0 < b <= self.steps_rows:
             return None
         width = max(len(t) for t in tables)
         lens = [[p + s + 1 for p in positions] for s in range(steps)]

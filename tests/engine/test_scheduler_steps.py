@@ -11,7 +11,9 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.outputs import SchedulerOutput
 from pagoda.core.scheduler import Scheduler
+from pagoda.layers.sampler import takes_steps
 from pagoda.request import Request
 
 PROMPT_LENS = [1, 9, 16, 30, 47]
@@ -161,6 +163,68 @@ def test_the_scheduler_plans_several_steps_only_for_decodes_alone_with_room() ->
     sched.add_request(_request("f", 5, max_tokens=100))
     _decode(sched)
     assert sched.schedule().num_steps == 1
+
+
+def test_the_scheduler_plans_several_steps_only_for_rows_the_call_takes() -> None:
+    """A row the several-step call does not sample (the engine's takes_steps: logprobs, penalties, filters) or more
+    rows than it takes: one step, and no blocks given ahead."""
+    for rule in ("takes_steps", "max_steps_rows"):
+        sched, kv = _scheduler(8)
+        for rid in ("a", "b"):
+            sched.add_request(_request(rid, 5, max_tokens=20))
+        _decode(sched)
+        if rule == "takes_steps":
+            sched.takes_steps = lambda req: req.request_id != "b"
+        else:
+            sched.max_steps_rows = 1
+        out = sched.schedule()
+        assert out.num_steps == 1, rule
+        for s in out.seqs:  # the blocks of this step's token alone
+            assert len(kv.block_table(s.request.request_id)) == -(-(s.request.num_computed_tokens + 1) // 4), rule
+
+
+def test_takes_steps_is_the_sampler_rule() -> None:
+    """The rows the scheduler plans several steps for are the rows the sampler's several-step pass takes."""
+    vocab = 100
+    assert takes_steps(SamplingParams(temperature=0.0), 0, vocab)
+    assert takes_steps(SamplingParams(temperature=0.8, seed=1), 0, vocab)
+    assert takes_steps(SamplingParams(temperature=0.8, top_k=vocab), 0, vocab)  # top_k of the whole vocabulary
+    assert takes_steps(SamplingParams(temperature=0.8, min_tokens=3), 3, vocab)  # the min_tokens block has ended
+    for params, outputs in [(SamplingParams(logprobs=1), 0), (SamplingParams(temperature=0.8, top_p=0.9), 0),
+                            (SamplingParams(temperature=0.8, top_k=5), 0), (SamplingParams(min_p=0.1), 0),
+                            (SamplingParams(repetition_penalty=1.1), 0), (SamplingParams(presence_penalty=0.5), 0),
+                            (SamplingParams(logit_bias={3: 1.0}), 0), (SamplingParams(min_tokens=3), 2)]:
+        assert not takes_steps(params, outputs, vocab), params
+
+
+def _count_planned_steps(sched: Scheduler) -> list[int]:
+    """The num_steps of every step the scheduler plans from now on, in a list it appends to."""
+    planned: list[int] = []
+    schedule = sched.schedule
+
+    def counted() -> SchedulerOutput:
+        out = schedule()
+        planned.append(out.num_steps)
+        return out
+
+    sched.schedule = counted  # type: ignore[method-assign]
+    return planned
+
+
+def test_a_row_the_call_does_not_take_keeps_single_steps(tiny_model: tuple[str, Path]) -> None:
+    """A request asking for logprobs beside a plain one, with --num-scheduler-steps 4: the engine plans one step at
+    a time while both run (no blocks ahead that the runner would not use), and the tokens are those of N = 1."""
+    arch, folder = tiny_model
+    prompts = _prompts(2)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)]
+    results, steps = {}, {}
+    for n in (1, 4):
+        llm = _llm(folder, n, "none")
+        steps[n] = _count_planned_steps(llm.engine.scheduler)
+        results[n] = _run(llm, prompts, params)
+    assert results[4] == results[1]
+    assert steps[4] == steps[1] and set(steps[4]) == {1}
 
 
 def test_the_flag_is_checked() -> None:
