@@ -49,6 +49,8 @@ def parse_size(value: int | str, field: str = "kv_cache_memory") -> int:
 
 
 MAX_SCHEDULER_STEPS = 64
+MAX_SPECULATIVE_TOKENS = 16  # draft tokens a step (--num-speculative-tokens)
+MAX_NGRAM = 32  # the longest n-gram prompt lookup matches (--ngram-prompt-lookup-max)
 
 
 def _positive_int(field: str, value: object, upper: int = 2**31) -> None:
@@ -145,11 +147,26 @@ class SchedulerConfig:
     # Decode steps a scheduler step may run in one call (as vLLM's --num-scheduler-steps): the Python between steps
     # is paid once for them; tokens then come in bursts (core/scheduler.py's _decode_steps says when)
     num_scheduler_steps: int = 1
+    # Speculative decoding by prompt lookup (vLLM's n-gram method and flags; core/ngram.py): up to this many draft
+    # tokens a decode step, copied from where the sequence's last n tokens (n from ngram_prompt_lookup_max down to
+    # ngram_prompt_lookup_min) came before, verified in one forward pass; 0: off
+    num_speculative_tokens: int = 0
+    ngram_prompt_lookup_max: int = 4
+    ngram_prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, 1 << 20)
         _positive_int("max_num_seqs", self.max_num_seqs, 1 << 16)
         _positive_int("num_scheduler_steps", self.num_scheduler_steps, MAX_SCHEDULER_STEPS)
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: off), "
+                             f"got {k!r}")
+        _positive_int("ngram_prompt_lookup_max", self.ngram_prompt_lookup_max, MAX_NGRAM)
+        _positive_int("ngram_prompt_lookup_min", self.ngram_prompt_lookup_min, self.ngram_prompt_lookup_max)
+        if self.num_speculative_tokens and self.num_scheduler_steps > 1:
+            raise ValueError("num_speculative_tokens and num_scheduler_steps > 1 cannot be combined: a step either "
+                             "verifies draft tokens or runs several decode steps")
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ _COUNTERS = (
     ("num_preemptions", "Requests preempted (recomputed later).", "num_preemptions"),
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("spec_decode_num_draft_tokens", "Draft tokens proposed (speculative decoding).", "num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).", "num_accepted_tokens"),
 )
 
 

@@ -15,11 +15,14 @@ class ScheduledSeq:
     num_new_tokens: int
     start_pos: int  # == request.num_computed_tokens when scheduled
     block_table: list[int]
+    # Draft tokens to verify after the request's last token (speculative decoding, core/ngram.py): they are the
+    # last len(draft) of num_new_tokens, and the runner returns the ones it accepted and one more token
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step brings the request up to date, so its last logits give a new token."""
-        return self.start_pos + self.num_new_tokens == self.request.num_tokens
+        return self.start_pos + self.num_new_tokens - len(self.draft) == self.request.num_tokens
 
 
 @dataclass
@@ -52,7 +55,8 @@ class SampledToken:
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # only requests whose step samples
-    # Where the runner ran several decode steps (SchedulerOutput.num_steps): each request's tokens after the first
+    # Where the runner ran several decode steps (SchedulerOutput.num_steps), or accepted draft tokens
+    # (ScheduledSeq.draft): each request's tokens after the first
     more: dict[str, list[SampledToken]] = field(default_factory=dict)
     # Per request asking for prompt logprobs: (index of the first prompt token covered, one dict per
     # prompt token from there on) for the prompt positions computed this step.

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, PrefixHit
+from pagoda.core.ngram import NgramProposer
 from pagoda.core.outputs import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from pagoda.request import Request, RequestStatus
 
@@ -46,6 +47,12 @@ class Scheduler:
         # are given ahead for steps that would not run
         self.takes_steps: Callable[[Request], bool] = lambda req: True
         self.max_steps_rows = sys.maxsize
+        # Draft tokens for decode steps (--num-speculative-tokens; LLMEngine drops it where the runner cannot verify
+        # them), and what became of them
+        self.proposer = (NgramProposer(config.num_speculative_tokens, config.ngram_prompt_lookup_max,
+                                       config.ngram_prompt_lookup_min) if config.num_speculative_tokens else None)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         # Tokens scheduled per tenant, decayed every step: the least-served tenant is admitted first.
         self.tenant_usage: dict[str | None, float] = {}
 
@@ -71,6 +78,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         req.status = status
         return req
 
@@ -108,6 +117,8 @@ class Scheduler:
         self._schedule_waiting(budget, scheduled)
         out.seqs = list(scheduled.values())
         out.num_steps = self._decode_steps(out.seqs)
+        if self.proposer is not None:
+            self._propose(out.seqs)
         out.swap_out, out.swap_in = self.kv.take_swaps()
         self._account(out)
         return out
@@ -131,6 +142,26 @@ class Scheduler:
         if n > 1 and all(self.kv.allocate_slots(s.request, n) for s in seqs):
             return n
         return 1
+
+    def _propose(self, seqs: list[ScheduledSeq]) -> None:
+        """Draft tokens for the step's decodes, where it is decodes alone of rows the verifying call takes
+        (takes_steps) and nothing waits (drafts take blocks and rows a waiting request could have had): each gets
+        the proposer's drafts where they fit the token budget, the call's rows (max_steps_rows) and what the
+        request may still generate past this step's token, and their blocks now (else none)."""
+        if self.waiting or not seqs or any(
+                s.num_new_tokens != 1 or not s.samples or not self.takes_steps(s.request) for s in seqs):
+            return
+        assert self.proposer is not None
+        rows = len(seqs)
+        room = min(self.config.max_num_batched_tokens, self.max_steps_rows) - rows
+        for s in seqs:
+            req = s.request
+            draft = self.proposer.propose(req, min(room, req.max_reachable_tokens - req.num_tokens - 1))
+            if draft and self.kv.allocate_slots(req, 1 + len(draft)):
+                s.draft = draft
+                s.num_new_tokens += len(draft)
+                room -= len(draft)
+                self.num_draft_tokens += len(draft)
 
     def _account(self, out: SchedulerOutput) -> None:
         for tenant in self.tenant_usage:
@@ -219,14 +250,18 @@ class Scheduler:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += seq.num_new_tokens
+            req.num_computed_tokens += seq.num_new_tokens - len(seq.draft)
             self.kv.cache_full_blocks(req)
             first = result.sampled.get(req.request_id)
             if first is None:
                 continue
-            for i, token in enumerate([first, *result.more.get(req.request_id, ())]):
-                if i:  # a later decode step of the same call (SchedulerOutput.num_steps): its input, the token
-                    req.num_computed_tokens += 1  # before, is in the cache now
+            tokens = [first, *result.more.get(req.request_id, ())]
+            if seq.draft:
+                self.num_accepted_tokens += len(tokens) - 1
+            for i, token in enumerate(tokens):
+                if i:  # a later decode step of the same call (SchedulerOutput.num_steps), or the token after an
+                    # accepted draft token: its input, the token before, is in the cache now
+                    req.num_computed_tokens += 1
                     self.kv.cache_full_blocks(req)
                 req.output_token_ids.append(token.token_id)
                 new_tokens.append((req, token))

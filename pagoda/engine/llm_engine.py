@@ -190,17 +190,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, caches, plan.block_size, offload)
         if mc.fused_ops:  # outside the forward pass: also with --compile-model
             self.compile_seconds += self.runner.sampler.enable_fused()
-        steps, one_call = config.scheduler.num_scheduler_steps, self.model.one_stream_forward
-        if steps > 1 and (one_call is None or not one_call.steps_rows or self.runner.sampler.lib is None):
-            # the scheduler would give blocks ahead that the steps, run one at a time, do not need
-            logger.warning("--num-scheduler-steps %d: decode steps run one at a time here (they run several in a "
-                           "call only through the one-call decode forward with its lm_head in the call and the "
-                           "sampler's fused pass; the log above says why the forward is off)", steps)
-            self.scheduler.max_decode_steps = 1
-        elif steps > 1 and one_call is not None:  # the steps the call takes, so that no others get blocks ahead
-            vocab = self.model.lm_head.out_features
-            self.scheduler.takes_steps = lambda req: takes_steps(req.params, req.num_output_tokens, vocab)
-            self.scheduler.max_steps_rows = one_call.steps_rows
+        self._enable_calls_of_several_tokens(config)
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
         self.stats = EngineStats()
@@ -220,6 +210,27 @@ class LLMEngine:
             raise ValueError(f"kv_offload_memory of {budget} bytes holds no block; one block needs {per_block} bytes")
         logger.info("second KV tier: %d blocks in %.1f MiB of host memory", budget // per_block, budget / 2**20)
         return OffloadStore(caches, budget // per_block)
+
+    def _enable_calls_of_several_tokens(self, config: EngineConfig) -> None:
+        """Several decode steps in one call (--num-scheduler-steps) and draft tokens verified in one call
+        (--num-speculative-tokens) both run through the one-call decode forward with its lm_head in the call and the
+        sampler's fused pass: where those are not there, the scheduler plans neither (it would give blocks ahead, or
+        propose drafts, that nothing takes); where they are, it plans them only for the rows the call takes."""
+        sched, one_call = self.scheduler, self.model.one_stream_forward
+        steps, drafts = config.scheduler.num_scheduler_steps, config.scheduler.num_speculative_tokens
+        if steps == 1 and not drafts:
+            return
+        if one_call is None or not one_call.steps_rows or self.runner.sampler.lib is None:
+            flag = f"--num-scheduler-steps {steps}" if steps > 1 else f"--num-speculative-tokens {drafts}"
+            logger.warning("%s: off here (decode steps run one at a time: several steps or draft tokens run in a "
+                           "call only through the one-call decode forward with its lm_head in the call and the "
+                           "sampler's fused pass; the log above says why the forward is off)", flag)
+            sched.max_decode_steps = 1
+            sched.proposer = None
+            return
+        vocab = self.model.lm_head.out_features
+        sched.takes_steps = lambda req: takes_steps(req.params, req.num_output_tokens, vocab)
+        sched.max_steps_rows = one_call.steps_rows
 
     def _log_startup(self, name: str) -> None:
         p, lim = self.limits.kv, self.limits
@@ -395,6 +406,8 @@ class LLMEngine:
             "kv_blocks_free": pool.num_free_blocks,
             "kv_cache_usage": pool.num_used_blocks / pool.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_draft_tokens": self.scheduler.num_draft_tokens,
+            "num_accepted_tokens": self.scheduler.num_accepted_tokens,
             "num_requests_running": self.scheduler.num_running,
             "num_requests_waiting": self.scheduler.num_waiting,
             "num_prompt_tokens_computed": self.stats.num_prompt_tokens_computed,

@@ -13,7 +13,8 @@ from pagoda.config import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, KV_CACHE_DT
 from pagoda.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ("model", "dtype", "block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
-                "num_scheduler_steps", "max_model_len", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_prefault",
+                "num_scheduler_steps", "num_speculative_tokens", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
+                "max_model_len", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_prefault",
                 "kv_offload_memory", "attention_backend", "compile_model", "prepack_weights", "fused_ops",
                 "quantization")
 
@@ -38,6 +39,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps run in one call where a step is decodes alone and nothing waits (1-64; as "
                         "vLLM's flag): the Python between steps is paid once for them, and tokens stream in bursts")
+    g.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="speculative decoding by prompt lookup (as vLLM's n-gram method): up to this many draft "
+                        "tokens a decode step (0-16; 0: off), taken from where the sequence's last tokens came "
+                        "before and verified in one forward pass; the output's distribution is unchanged")
+    g.add_argument("--ngram-prompt-lookup-max", type=int, default=4,
+                   help="the longest n-gram that the draft lookup matches (1-32)")
+    g.add_argument("--ngram-prompt-lookup-min", type=int, default=1,
+                   help="the shortest n-gram that the draft lookup matches (1 to the max)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: cpp (compiled for float64 models; measured); sdpa: torch's fused attention; "

@@ -397,6 +397,40 @@ class Sampler:
 
         return sample, logprobs
 
+    def verify(self, logits: torch.Tensor, drafts: list[int], row: SamplingRow) -> list[tuple[int, float]]:
+        """Speculative decoding's check of one sequence's draft tokens, for a row that takes_steps: logits
+        (len(drafts) + 1, vocab) float32, row j the logits after the sequence's j-th input (its last token, then
+        the drafts). Returns (token id, raw logprob) for the drafts accepted and one token more, so that the tokens
+        follow the distribution the row's own sampling gives, exactly:
+        - greedy: draft j is accepted where it is the step's argmax (the C++ pass's, as a step of its own would
+          choose it), and the first that is not gives way to that argmax: the tokens and logprobs of steps taken one
+          by one;
+        - random (temperature, no filter): draft d is accepted with probability p(d), p the step's distribution,
+          against a draw from the row's stream; where it is not, the token is drawn from p without d (renormalized).
+          A token is then d with probability p(d), and t != d with (1 - p(d)) p(t) / (1 - p(d)) = p(t): the
+          distribution of a step of its own (the draws differ, so the tokens of a seeded request do too).
+        Where every draft is accepted, the last row gives one more token as a step would."""
+        n = len(drafts)
+        if row.params.greedy:
+            ids, lps = self._sample_plain(logits, [row] * (n + 1), list(range(n + 1)))
+            got = 1 + next((j for j in range(n) if ids[j] != drafts[j]), n)
+            return list(zip(ids[:got], lps[:got], strict=True))
+        out = []
+        for j, d in enumerate(drafts):
+            raw = logits[j].double()
+            lse = torch.logsumexp(raw, 0)
+            p_d = torch.softmax(raw / row.params.temperature, 0)[d]
+            if row.uniforms.next() < float(p_d):
+                out.append((d, float(raw[d] - lse)))
+                continue
+            rest = logits[j: j + 1].clone()
+            rest[0, d] = -float("inf")
+            t = self._sample_plain(rest, [row], [0])[0][0]
+            out.append((t, float(raw[t] - lse)))
+            return out
+        ids, lps = self._sample_plain(logits[n: n + 1], [row], [0])
+        return [*out, (ids[0], lps[0])]
+
     def _sample_plain(self, logits: torch.Tensor, rows: list[SamplingRow],
                       which: list[int]) -> tuple[list[int], list[float]]:
         """The C++ pass over rows `which` of logits (float32, on the CPU): their token ids and logprobs."""

@@ -231,12 +231,13 @@ class OneStreamForward:
         return None if failed else (out, logits)
 
     def _step(self, b: int, ids: int, positions: int, slots: int, table: int, table_width: int, seq_lens: int,
-              span_width: int, out: torch.Tensor, logits: torch.Tensor | None, op_seconds: torch.Tensor | None) -> int:
+              span_width: int, out: torch.Tensor, logits: torch.Tensor | None, op_seconds: torch.Tensor | None,
+              cut_rows: int = 0) -> int:
         """One decode step of b rows from the addresses of its int64 inputs (ids, positions, slots, seq_lens: b
-        each; the block tables b x table_width), cutting each sequence's context into spans as a table span_width
-        blocks wide is cut (cpp.span_cut, as the eager path's kernel call); 1 where a position is past the rotary
-        tables (nothing computed)."""
-        span_blocks, spans = span_cut(b, table_width, span_width)
+        each; the block tables b x table_width), cutting each sequence's context into spans as a step of cut_rows
+        rows (0: b) whose tables are span_width blocks wide is cut (cpp.span_cut, as the eager path's kernel call);
+        1 where a position is past the rotary tables (nothing computed)."""
+        span_blocks, spans = span_cut(cut_rows or b, table_width, span_width)
         cfg = self._cfg
         self._scratch(b, b * spans * cfg.num_heads * (cfg.head_dim + 2))
         return int(self._fn(self._fns, self._layers, self._num_layers, self._dims.data_ptr(), self._eps, self._scale,
@@ -287,6 +288,46 @@ class OneStreamForward:
             if sample(s, logits, _address(tokens) + (s + 1) * stride):
                 break
         return tokens, done
+
+
+    def verify(self, tables: list[list[int]], positions: list[int], inputs: list[list[int]],
+               block_size: int) -> tuple[torch.Tensor, int] | None:
+        """Logits for draft tokens in one call (speculative decoding): sequence s takes inputs[s] (its last token,
+        then its drafts) at positions[s], positions[s] + 1, ..., each as a row of its own over the sequence's
+        table, the row of position p seeing the first p + 1 tokens (the rows' K and V are all written before any
+        row attends: causal attention within the drafts). Each row is computed as the decode step at its position
+        would compute it (the same span cut: B sequences' tables as wide as the blocks their contexts take there),
+        so the logits are that step's, bit for bit; drafts past the first position whose step would cut spans
+        otherwise (every 4 blocks or so) are not verified. Returns (logits (rows, vocab) float32, sequence s's
+        rows first, each 1 + min(len(inputs[s]) - 1, kept); kept), or None where the forward does not take the
+        rows (too many, the lm_head outside the call, or a position past the rotary tables)."""
+        b = len(inputs)
+        longest = max(len(x) for x in inputs)
+
+        def cut(i: int) -> int:  # the span cut of the B sequences' decode step at draft index i
+            return span_cut(b, 1, -(-max(p + i + 1 for p in positions) // block_size))[0]
+
+        kept = 0
+        while kept + 1 < longest and cut(kept + 1) == cut(0):
+            kept += 1
+        rows = [(t, p + i, x) for t, p, xs in zip(tables, positions, inputs, strict=True)
+                for i, x in enumerate(xs[:kept + 1])]
+        r = len(rows)
+        if not 0 < r <= self.steps_rows:
+            return None
+        width = max(len(t) for t in tables)
+        flat = [x for t, _, _ in rows for x in t + [0] * (width - len(t))]
+        data = torch.tensor(flat + [t[p // block_size] * block_size + p % block_size for t, p, _ in rows]
+                            + [p + 1 for _, p, _ in rows] + [p for _, p, _ in rows] + [x for _, _, x in rows],
+                            dtype=torch.int64)
+        base, n = data.data_ptr(), len(flat) * 8
+        slots, lens, pos, ids = base + n, base + n + r * 8, base + n + 2 * r * 8, base + n + 3 * r * 8
+        out = torch.empty((r, self._hidden), dtype=self._dtype)
+        logits = torch.empty((r, self._vocab), dtype=torch.float32)
+        if self._step(r, ids, pos, slots, base, width, lens, -(-max(p + kept + 1 for p in positions) // block_size),
+                      out, logits, None, cut_rows=b):
+            return None
+        return logits, kept
 
 
 def _seconds_buffer(op_seconds: torch.Tensor) -> int:

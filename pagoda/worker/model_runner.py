@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +57,10 @@ class ModelRunner:
             self.offload.swap_out(sched.swap_out)
             self.offload.swap_in(sched.swap_in)
         prof = self.profiler
+        if any(s.draft for s in sched.seqs):
+            if (verified := self._verify(sched)) is not None:
+                return verified
+            sched = _without_drafts(sched)
         with prof.phase("prepare_inputs"):
             inputs = self.prepare(sched)
         if sched.num_steps > 1 and (out := self._decode_steps(sched, inputs)) is not None:
@@ -106,6 +110,33 @@ class ModelRunner:
                 out.more[s.request.request_id] = got[1:]
         return out
 
+    def _verify(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """A decode step with draft tokens (speculative decoding): each sequence's last token and drafts as rows of
+        one call of the one-call forward (OneStreamForward.verify), then the sampler's check of each sequence's
+        drafts (Sampler.verify): the accepted drafts and one token more. None (nothing run, nothing drawn) where
+        that forward does not take the rows: the step then runs without its drafts."""
+        one_call = self.model.one_stream_forward
+        if one_call is None:
+            return None
+        inputs = [[s.request.token_ids(s.start_pos, s.start_pos + 1)[0], *s.draft] for s in sched.seqs]
+        with self.profiler.phase("forward"):
+            got = one_call.verify([s.block_table for s in sched.seqs], [s.start_pos for s in sched.seqs], inputs,
+                                  self.block_size)
+        if got is None:
+            return None
+        logits, kept = got
+        out = ModelRunnerOutput()
+        with self.profiler.phase("sampling"):
+            row0 = 0
+            for s in sched.seqs:
+                drafts = s.draft[:kept]
+                tokens = self.sampler.verify(logits[row0: row0 + len(drafts) + 1], drafts, _row(s))
+                row0 += len(drafts) + 1
+                out.sampled[s.request.request_id] = SampledToken(*tokens[0])
+                if len(tokens) > 1:
+                    out.more[s.request.request_id] = [SampledToken(*t) for t in tokens[1:]]
+        return out
+
     def _sample(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
         if inputs.sample_rows:
@@ -137,6 +168,12 @@ class ModelRunner:
             logits = self._logits(hidden[row0: row0 + last - seq.start_pos])
             targets = torch.tensor(req.prompt_token_ids[seq.start_pos + 1: last + 1], dtype=torch.long)
             out.prompt_logprobs[req.request_id] = (seq.start_pos + 1, prompt_logprobs(logits, targets, k))
+
+
+def _without_drafts(sched: SchedulerOutput) -> SchedulerOutput:
+    """The step with its draft tokens left out: each sequence's own token alone (a decode step as any other)."""
+    seqs = [ScheduledSeq(s.request, s.num_new_tokens - len(s.draft), s.start_pos, s.block_table) for s in sched.seqs]
+    return replace(sched, seqs=seqs)
 
 
 def _row(seq: ScheduledSeq) -> SamplingRow:

@@ -1,0 +1,293 @@
+"""Speculative decoding by prompt lookup (`--num-speculative-tokens`): the proposer's lookup, the scheduler's rules
+for drafts, the sampler's check (greedy: the tokens of steps one by one; random: the step's distribution, exactly),
+and the engine end to end against the same requests without drafts."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.config import SchedulerConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.ngram import NgramProposer
+from pagoda.core.outputs import ModelRunnerOutput, SampledToken
+from pagoda.core.scheduler import Scheduler
+from pagoda.layers.sampler import Sampler, SamplingRow, UniformStream
+from pagoda.request import Request
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int = 50, max_total: int = 1000) -> Request:
+    return Request(request_id=rid, prompt_token_ids=prompt, params=SamplingParams(max_tokens=max_tokens,
+                                                                                  ignore_eos=True),
+                   eos_token_ids=frozenset(), max_total_tokens=max_total)
+
+
+# ---- the proposer ------------------------------------------------------------------------------------------------
+def test_the_proposer_copies_what_followed_the_latest_longest_match() -> None:
+    p = NgramProposer(3, lookup_max=3, lookup_min=1)
+    # the last two tokens (7, 8) came twice before; the latest is followed by 5, 6, 1
+    req = _request("a", [7, 8, 1, 2, 7, 8, 5, 6, 1, 9, 7, 8])
+    assert p.propose(req, 10) == [5, 6, 1]
+    assert p.propose(req, 2) == [5, 6]  # the limit
+    assert p.propose(req, 0) == []
+    # a 3-gram match wins over a later 1-gram one: (4, 7, 8) came at the start, 8 alone also right before the end
+    req = _request("b", [4, 7, 8, 30, 31, 8, 40, 4, 7, 8])
+    assert p.propose(req, 3) == [30, 31, 8]
+    # no match
+    assert p.propose(_request("c", [1, 2, 3, 4]), 3) == []
+    # the lookup's shortest n: a 1-gram does not count with lookup_min 2
+    assert NgramProposer(3, lookup_max=3, lookup_min=2).propose(_request("d", [5, 1, 2, 9, 5]), 3) == []
+    # a match across token boundaries in the bytes is not a match: 256 * 1 = bytes (0, 1, 0, 0) ...
+    req = _request("e", [256, 1, 1])
+    assert p.propose(req, 3) == [1]  # (1) at index 1 is followed by 1; nothing else
+
+
+def test_the_proposer_follows_a_request_as_tokens_are_added() -> None:
+    p = NgramProposer(2, lookup_max=2, lookup_min=1)
+    req = _request("a", [1, 2, 3])
+    assert p.propose(req, 2) == []
+    req.output_token_ids += [1, 2]
+    assert p.propose(req, 2) == [3, 1]  # (1, 2) came at the start, followed by 3, 1
+    req.output_token_ids.append(3)
+    assert p.propose(req, 2) == [1, 2]
+    p.forget("a")
+    assert p.propose(req, 2) == [1, 2]  # rebuilt from the request
+
+
+# ---- the scheduler -----------------------------------------------------------------------------------------------
+def _scheduler(k: int = 4, num_blocks: int = 64) -> tuple[Scheduler, KVCacheManager]:
+    kv = KVCacheManager(num_blocks, block_size=4, enable_caching=False)
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, num_speculative_tokens=k)
+    return Scheduler(cfg, kv), kv
+
+
+def _start(sched: Scheduler) -> None:
+    """The prompt step, each request handed its first token (1)."""
+    out = sched.schedule()
+    assert not any(s.draft for s in out.seqs)  # prompt chunks get no drafts
+    sched.update(out, ModelRunnerOutput(sampled={s.request.request_id: SampledToken(1, 0.0) for s in out.seqs}))
+
+
+def test_the_scheduler_gives_drafts_to_decodes_alone_and_counts_what_was_accepted() -> None:
+    sched, kv = _scheduler()
+    req = _request("a", [1, 5, 6, 7, 8, 9], max_tokens=20)  # its first token (1) repeats the prompt's start
+    sched.add_request(req)
+    _start(sched)
+    out = sched.schedule()
+    (seq,) = out.seqs
+    assert seq.draft == [5, 6, 7, 8] and seq.num_new_tokens == 5 and seq.samples
+    assert len(kv.block_table("a")) * 4 >= req.num_computed_tokens + 5  # the drafts' slots
+    # the runner accepted two drafts and gave one more token
+    more = [SampledToken(6, 0.0), SampledToken(42, 0.0)]
+    sched.update(out, ModelRunnerOutput(sampled={"a": SampledToken(5, 0.0)}, more={"a": more}))
+    assert req.output_token_ids == [1, 5, 6, 42]
+    assert req.num_computed_tokens == req.num_tokens - 1  # every token's K and V but the last one's
+    assert (sched.num_draft_tokens, sched.num_accepted_tokens) == (4, 2)
+
+
+def test_the_scheduler_bounds_drafts() -> None:
+    prompt = [1, 5, 6, 7, 8, 9]
+    # by what the request may still generate: max_tokens 3, one out -> this step's token and one draft
+    sched, _ = _scheduler()
+    sched.add_request(_request("a", prompt, max_tokens=3))
+    _start(sched)
+    assert sched.schedule().seqs[0].draft == [5]
+    # by the context limit alike
+    sched, _ = _scheduler()
+    sched.add_request(_request("a", prompt, max_total=9))
+    _start(sched)
+    assert sched.schedule().seqs[0].draft == [5]
+    # a waiting request: no drafts (they would take its room)
+    sched, _ = _scheduler()
+    sched.add_request(_request("a", prompt))
+    _start(sched)
+    sched.add_request(_request("b", list(range(100, 180))))
+    sched.config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, num_speculative_tokens=4)
+    assert not any(s.draft for s in sched.schedule().seqs)
+    # a row the verifying call does not take, and the call's rows
+    for rule in ("takes_steps", "max_steps_rows"):
+        sched, _ = _scheduler()
+        sched.add_request(_request("a", prompt))
+        _start(sched)
+        if rule == "takes_steps":
+            sched.takes_steps = lambda req: False
+        else:
+            sched.max_steps_rows = 3  # one row for the token, two for drafts
+        drafts = sched.schedule().seqs[0].draft
+        assert drafts == ([] if rule == "takes_steps" else [5, 6]), rule
+    # no room for the drafts' blocks: none
+    sched, kv = _scheduler(num_blocks=2)
+    sched.add_request(_request("a", prompt))
+    _start(sched)
+    assert sched.schedule().seqs[0].draft == []
+
+
+def test_the_flags_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in \[0, 16\]"):
+        SchedulerConfig(num_speculative_tokens=17)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SchedulerConfig(num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="ngram_prompt_lookup_min"):
+        SchedulerConfig(num_speculative_tokens=2, ngram_prompt_lookup_max=2, ngram_prompt_lookup_min=3)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        SchedulerConfig(num_speculative_tokens=2, num_scheduler_steps=4)
+
+
+# ---- the sampler's check -----------------------------------------------------------------------------------------
+def _sampler() -> Sampler:
+    s = Sampler()
+    s.enable_fused()
+    assert s.lib is not None
+    return s
+
+
+def _row(params: SamplingParams, seed: int = 0) -> SamplingRow:
+    return SamplingRow(params, UniformStream(torch.Generator().manual_seed(seed)), [], [], frozenset())
+
+
+def test_greedy_accepts_drafts_while_they_are_the_argmax() -> None:
+    sampler, row = _sampler(), _row(SamplingParams(temperature=0.0))
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    best = logits.argmax(1).tolist()
+    lps = torch.log_softmax(logits.double(), 1)
+    got = sampler.verify(logits, [best[0], best[1], (best[2] + 1) % 50], row)
+    assert [t for t, _ in got] == best[:3]  # two accepted, the third replaced by the argmax
+    assert [lp for _, lp in got] == pytest.approx([float(lps[i, best[i]]) for i in range(3)], abs=1e-6)
+    assert [t for t, _ in sampler.verify(logits, best[:3], row)] == best  # all accepted, and one more
+
+
+def test_random_rows_keep_the_step_distribution() -> None:
+    """A draft checked against the step's distribution p: the token that comes out is distributed as p, whether the
+    draft is likely or not (20,000 checks with one seeded stream; 4.5 standard deviations of slack)."""
+    sampler = _sampler()
+    vocab, temperature, trials = 6, 0.7, 20000
+    logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, -1.5, ]], dtype=torch.float32).repeat(2, 1)
+    p = torch.softmax(logits[0].double() / temperature, 0)
+    for draft in (3, 5):  # the likeliest token, and an unlikely one
+        row = _row(SamplingParams(temperature=temperature, seed=1), seed=draft)
+        counts = torch.zeros(vocab, dtype=torch.float64)
+        accepted = 0
+        for _ in range(trials):
+            got = sampler.verify(logits, [draft], row)
+            counts[got[0][0]] += 1
+            accepted += got[0][0] == draft and len(got) == 2  # accepted: one more token from the last row
+            assert len(got) == 2 or got[0][0] != draft  # a rejected draft ends the check there
+        freq = counts / trials
+        assert torch.all((freq - p).abs() <= 4.5 * (p * (1 - p) / trials).sqrt() + 1e-9), (draft, freq, p)
+        assert accepted / trials == pytest.approx(float(p[draft]), abs=4.5 * (0.25 / trials) ** 0.5)
+
+
+# ---- the engine --------------------------------------------------------------------------------------------------
+def _prompts() -> list[list[int]]:
+    """Prompts that repeat themselves, so that the lookup finds drafts."""
+    rng = random.Random(5)
+    out = []
+    for n in (6, 11, 17):
+        unit = [rng.randrange(256) for _ in range(n)]
+        out.append(unit * 3 + unit[: n // 2])
+    return out
+
+
+def _llm(folder: Path, k: int, quantization: str = "none") -> LLM:
+    return LLM(str(folder), dtype="float32", attention_backend="cpp", enable_prefix_caching=False,
+               quantization=quantization, num_speculative_tokens=k, max_num_seqs=16)
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
+    return [(list(c.token_ids), c.text, c.cumulative_logprob, c.finish_reason, c.stop_reason)
+            for r in llm.generate(prompts, params, use_tqdm=False) for c in r.outputs]
+
+
+@pytest.mark.parametrize("quantization", ["none", "q4_1"])
+@pytest.mark.parametrize("together", [False, True])
+def test_greedy_requests_get_the_tokens_of_steps_without_drafts(tiny_model: tuple[str, Path], quantization: str,
+                                                                together: bool) -> None:
+    """Greedy requests, one at a time and all at once: token ids, text, logprobs and finish reasons the same,
+    exactly (all at once: logprobs within rounding), with drafts proposed and, one at a time, accepted in fewer
+    engine steps (not the tiny qwen3: no one-call forward, so no drafts, logged at start-up)."""
+    arch, folder = tiny_model
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0.0, max_tokens=30 + 7 * i, ignore_eos=True) for i in range(len(prompts))]
+    results, steps = {}, {}
+    for k in (0, 4):
+        llm = _llm(folder, k, quantization)
+        if together:
+            results[k] = _run(llm, prompts, params)
+        else:
+            results[k] = [x for p, sp in zip(prompts, params, strict=True) for x in _run(llm, [p], [sp])]
+        steps[k] = llm.engine.stats.num_steps
+        metrics = llm.engine.get_metrics()
+        assert not llm.engine.kv.block_tables  # every block handed back
+        llm.engine.kv.check_invariants()
+    if together:  # the same tokens; logprobs within rounding (OneStreamForward.verify's docstring says why)
+        assert [(r[0], r[1], r[3]) for r in results[4]] == [(r[0], r[1], r[3]) for r in results[0]]
+        assert [r[2] for r in results[4]] == pytest.approx([r[2] for r in results[0]], rel=1e-3)
+    else:
+        assert results[4] == results[0]
+    if arch == "qwen3":
+        assert steps[4] == steps[0] and llm.engine.scheduler.proposer is None
+    else:
+        assert metrics["num_draft_tokens"] > 0
+        if not together:  # all at once, the request that drafts help least sets the steps
+            assert metrics["num_accepted_tokens"] > 0 and steps[4] < steps[0]
+
+
+def _oracle(llm: LLM, prompt: list[int], tokens: list[int], wrong_at: int = -1) -> None:
+    """Have the engine's proposer draft the greedy continuation `tokens` of `prompt` (every draft accepted), but
+    for the draft at output index wrong_at, which it gets wrong (rejected there)."""
+    proposer = llm.engine.scheduler.proposer
+    assert proposer is not None
+
+    def propose(req: Request, limit: int) -> list[int]:
+        assert req.prompt_token_ids == prompt
+        n = req.num_output_tokens
+        draft = tokens[n: n + min(limit, proposer.num_tokens)]
+        return [(t + 1) % 256 if n + i == wrong_at else t for i, t in enumerate(draft)]
+
+    proposer.propose = propose  # type: ignore[method-assign]
+
+
+def test_stops_among_accepted_drafts_end_the_request_there(tiny_model: tuple[str, Path]) -> None:
+    """A stop token id, a stop string and max_tokens that fall among a step's accepted drafts (drafted by an
+    oracle: the greedy continuation) end the request where steps without drafts end it; and a wrong draft gives
+    way to the model's token."""
+    arch, folder = tiny_model
+    if arch == "qwen3":
+        return  # no one-call forward: no drafts
+    prompt = _prompts()[1]
+    free = _run(_llm(folder, 0), [prompt], [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)])[0]
+    tokens, text = free[0], free[1]
+    token = tokens[12]
+    first = tokens.index(token)
+    cases = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[token]),
+             SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[text[len(text) // 2:][:3]]),
+             SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+    without = [_run(_llm(folder, 0), [prompt], [c])[0] for c in cases]
+    assert without[0][0] == tokens[:first + 1] and without[0][3] == "stop" and without[0][4] == token
+    assert without[1][3] == "stop" and without[2][3] == "length"
+    for wrong_at in (-1, 6, 13):
+        llm = _llm(folder, 4)
+        _oracle(llm, prompt, tokens, wrong_at)
+        assert [_run(llm, [prompt], [c])[0] for c in cases] == without, wrong_at
+        metrics = llm.engine.get_metrics()
+        assert metrics["num_accepted_tokens"] > 0
+        if wrong_at < 0:  # all but those past a span cut's change (OneStreamForward.verify), left unchecked
+            assert metrics["num_accepted_tokens"] >= 0.8 * metrics["num_draft_tokens"]
+
+
+def test_seeded_random_requests_repeat_with_drafts(tiny_model: tuple[str, Path]) -> None:
+    """A seeded random request gives the same tokens each time it runs with drafts (its draws come from its own
+    stream, in the same order), and its logprobs are its tokens' under the model."""
+    arch, folder = tiny_model
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=30, ignore_eos=True, logprobs=None)
+              for i in range(len(prompts))]
+    llm = _llm(folder, 4)
+    first = _run(llm, prompts, params)
+    assert _run(llm, prompts, params) == first
+    assert all(len(r[0]) == 30 for r in first)
