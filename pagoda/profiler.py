@@ -92,6 +92,14 @@ class _TimedOneCall:
         """Several decode steps in one call, timed as one (a step of the engine's)."""
         return self._timed(self.inner.decode_steps, *args)
 
+    def verify(self, *args: Any) -> Any:
+        """Draft tokens' rows in one call (speculative decoding)."""
+        return self._timed(self.inner.verify, *args)
+
+    @property
+    def steps_rows(self) -> int:
+        return int(self.inner.steps_rows)
+
     def _timed(self, call: Any, *args: Any) -> Any:
         start = time.perf_counter()
         out = call(*args, op_seconds=self.op_seconds)

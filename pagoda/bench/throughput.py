@@ -56,7 +56,8 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
     vocab_size = min(llm.engine.arch.vocab_size, tok.vocab_size)
     work = make_workload(workload_spec(args), vocab_size, tok.all_special_ids)
     prompts = [w.prompt for w in work]
-    params = [SamplingParams(temperature=1.0, seed=args.seed + i, max_tokens=w.output_len, ignore_eos=True)
+    temperature = getattr(args, "temperature", 1.0)
+    params = [SamplingParams(temperature=temperature, seed=args.seed + i, max_tokens=w.output_len, ignore_eos=True)
               for i, w in enumerate(work)]
     profiler = llm.engine.enable_profiling() if getattr(args, "profile", False) else None
     llm.engine.track_kv_usage = getattr(args, "kv_usage", False)
@@ -75,6 +76,9 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
         "prompt_tokens_computed": metrics["num_prompt_tokens_computed"],
         "prefix_cache_hit_tokens": metrics["prefix_cache_hits"],
         "num_preemptions": metrics["num_preemptions"],
+        "num_draft_tokens": metrics["num_draft_tokens"],
+        "num_accepted_tokens": metrics["num_accepted_tokens"],
+        "num_steps": metrics["num_steps"],
         "attention_backend": llm.engine.attention_backend,
         "kv_cache_storage": llm.engine.limits.kv.spec.name,  # what `auto` resolved to (float16 under quantization)
         "startup_compile_s": llm.engine.compile_seconds,
@@ -160,6 +164,8 @@ def compute_floor(model: Any, prompt_tokens: int, output_tokens: int, elapsed: f
 def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[str, Any]:
     """Run the chosen backend; engine flags other than --model and --dtype only apply to pagoda."""
     backend = getattr(args, "backend", "pagoda")
+    if backend != "pagoda" and getattr(args, "temperature", 1.0) != 1.0:
+        raise ValueError(f"--temperature applies to the pagoda backend only ({backend} samples at temperature 1)")
     if backend == "pagoda":
         return run_throughput(args, engine_options)
     if backend == "hf":
@@ -185,6 +191,9 @@ def add_parser(sub: Any, add_engine_flags: Any) -> None:
                    help="llamacpp backend: tokens per llama_decode call (its n_batch)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the llamacpp backend (default: all cores)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="pagoda backend: the requests' temperature (default 1, as the peers sample; 0: greedy, "
+                        "as speculative decoding's figures in BENCHMARKS.md were taken)")
     p.add_argument("--profile", action="store_true",
                    help="pagoda backend: break each step's time down by phase and module kind")
     p.add_argument("--kv-usage", action="store_true",
@@ -208,6 +217,9 @@ def report(result: dict[str, Any], as_json: bool) -> None:
     if "prompt_tokens_computed" in result:
         print(f"  prompt tokens computed {result['prompt_tokens_computed']}, prefix-cache hits "
               f"{result['prefix_cache_hit_tokens']} tokens, preemptions {result['num_preemptions']}")
+    if result.get("num_draft_tokens"):
+        print(f"  draft tokens {result['num_draft_tokens']}, accepted {result['num_accepted_tokens']} "
+              f"({100 * result['num_accepted_tokens'] / result['num_draft_tokens']:.0f}%)")
     if "compute_floor_fraction" in result:
         print(f"  matmul work {result['achieved_gflops']:.1f} GFLOP/s = {100 * result['compute_floor_fraction']:.0f}% "
               f"of the {result['matmul_peak_gflops']:.1f} GFLOP/s a plain matmul reaches here")

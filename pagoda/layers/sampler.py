@@ -416,17 +416,16 @@ class Sampler:
             got = 1 + next((j for j in range(n) if ids[j] != drafts[j]), n)
             return list(zip(ids[:got], lps[:got], strict=True))
         out = []
-        for j, d in enumerate(drafts):
-            raw = logits[j].double()
-            lse = torch.logsumexp(raw, 0)
-            p_d = torch.softmax(raw / row.params.temperature, 0)[d]
-            if row.uniforms.next() < float(p_d):
-                out.append((d, float(raw[d] - lse)))
+        for j, d in enumerate(drafts):  # one row at a time: most checks end at the first draft
+            x = logits[j]
+            lse = float(torch.logsumexp(x, 0))
+            if row.uniforms.next() < float(torch.softmax(x / row.params.temperature, 0)[d]):
+                out.append((d, float(x[d]) - lse))
                 continue
             rest = logits[j: j + 1].clone()
             rest[0, d] = -float("inf")
             t = self._sample_plain(rest, [row], [0])[0][0]
-            out.append((t, float(raw[t] - lse)))
+            out.append((t, float(x[t]) - lse))
             return out
         ids, lps = self._sample_plain(logits[n: n + 1], [row], [0])
         return [*out, (ids[0], lps[0])]

@@ -290,8 +290,8 @@ class OneStreamForward:
         return tokens, done
 
 
-    def verify(self, tables: list[list[int]], positions: list[int], inputs: list[list[int]],
-               block_size: int) -> tuple[torch.Tensor, int] | None:
+    def verify(self, tables: list[list[int]], positions: list[int], inputs: list[list[int]], block_size: int,
+               op_seconds: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
         """Logits for draft tokens in one call (speculative decoding): sequence s takes inputs[s] (its last token,
         then its drafts) at positions[s], positions[s] + 1, ..., each as a row of its own over the sequence's
         table, the row of position p seeing the first p + 1 tokens (the rows' K and V are all written before any
@@ -325,7 +325,7 @@ class OneStreamForward:
         out = torch.empty((r, self._hidden), dtype=self._dtype)
         logits = torch.empty((r, self._vocab), dtype=torch.float32)
         if self._step(r, ids, pos, slots, base, width, lens, -(-max(p + kept + 1 for p in positions) // block_size),
-                      out, logits, None, cut_rows=b):
+                      out, logits, op_seconds, cut_rows=b):
             return None
         return logits, kept
 

@@ -101,13 +101,20 @@ def test_the_scheduler_bounds_drafts() -> None:
     sched.add_request(_request("a", prompt, max_total=9))
     _start(sched)
     assert sched.schedule().seqs[0].draft == [5]
-    # a waiting request: no drafts (they would take its room)
+    # a request admitted this step (its prompt chunk in the step): no drafts; one that cannot be (no running slot
+    # left): drafts
     sched, _ = _scheduler()
     sched.add_request(_request("a", prompt))
     _start(sched)
     sched.add_request(_request("b", list(range(100, 180))))
+    out = sched.schedule()
+    assert len(out.seqs) == 2 and not any(s.draft for s in out.seqs)
+    sched, _ = _scheduler()
     sched.config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, num_speculative_tokens=4)
-    assert not any(s.draft for s in sched.schedule().seqs)
+    sched.add_request(_request("a", prompt))
+    _start(sched)
+    sched.add_request(_request("b", list(range(100, 180))))
+    assert [s.draft for s in sched.schedule().seqs] == [[5, 6, 7, 8]] and sched.waiting
     # a row the verifying call does not take, and the call's rows
     for rule in ("takes_steps", "max_steps_rows"):
         sched, _ = _scheduler()
@@ -223,9 +230,15 @@ def test_greedy_requests_get_the_tokens_of_steps_without_drafts(tiny_model: tupl
         metrics = llm.engine.get_metrics()
         assert not llm.engine.kv.block_tables  # every block handed back
         llm.engine.kv.check_invariants()
-    if together:  # the same tokens; logprobs within rounding (OneStreamForward.verify's docstring says why)
+    if together and quantization == "q4_1":
+        # Sequences that accept drafts run ahead of the others, so steps hold other contexts than without drafts;
+        # decode attention's span cut follows a step's longest context where it holds 2-3 sequences, and the int8
+        # rounding of each layer's input turns its last-bit differences into larger ones: near-ties may go either
+        # way, so only what does not depend on them is compared
+        assert [(len(r[0]), r[3]) for r in results[4]] == [(len(r[0]), r[3]) for r in results[0]]
+    elif together:  # float32: the same tokens, logprobs within float32 rounding
         assert [(r[0], r[1], r[3]) for r in results[4]] == [(r[0], r[1], r[3]) for r in results[0]]
-        assert [r[2] for r in results[4]] == pytest.approx([r[2] for r in results[0]], rel=1e-3)
+        assert [r[2] for r in results[4]] == pytest.approx([r[2] for r in results[0]], rel=1e-6)
     else:
         assert results[4] == results[0]
     if arch == "qwen3":
