@@ -153,6 +153,11 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     ngram_prompt_lookup_max: int = 4
     ngram_prompt_lookup_min: int = 1
+    # Steps of more sequences than this get no drafts (vLLM's flag of that name): each draft is a row more in the
+    # step, which pays only while the step is bound by reading the weights. On the Zen 4 machine, greedy code
+    # rewrites with 44% of drafts accepted ran 1.41x as fast one at a time, but 0.87x four at a time and 0.93x
+    # sixteen (BENCHMARKS.md): so one by default
+    speculative_disable_by_batch_size: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, 1 << 20)
@@ -164,6 +169,7 @@ class SchedulerConfig:
                              f"got {k!r}")
         _positive_int("ngram_prompt_lookup_max", self.ngram_prompt_lookup_max, MAX_NGRAM)
         _positive_int("ngram_prompt_lookup_min", self.ngram_prompt_lookup_min, self.ngram_prompt_lookup_max)
+        _positive_int("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size, 1 << 16)
         if self.num_speculative_tokens and self.num_scheduler_steps > 1:
             raise ValueError("num_speculative_tokens and num_scheduler_steps > 1 cannot be combined: a step either "
                              "verifies draft tokens or runs several decode steps")

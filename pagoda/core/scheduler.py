@@ -145,10 +145,11 @@ class Scheduler:
 
     def _propose(self, seqs: list[ScheduledSeq]) -> None:
         """Draft tokens for the step's decodes, where it is decodes alone (no waiting request could be admitted
-        this step, so drafts take no room from one) of rows the verifying call takes (takes_steps): each gets the
-        proposer's drafts where they fit the token budget, the call's rows (max_steps_rows) and what the request
-        may still generate past this step's token, and their blocks now (else none)."""
-        if not seqs or any(
+        this step, so drafts take no room from one), of at most speculative_disable_by_batch_size sequences, and
+        of rows the verifying call takes (takes_steps): each gets the proposer's drafts where they fit the token
+        budget, the call's rows (max_steps_rows) and what the request may still generate past this step's token,
+        and their blocks now (else none)."""
+        if not seqs or len(seqs) > self.config.speculative_disable_by_batch_size or any(
                 s.num_new_tokens != 1 or not s.samples or not self.takes_steps(s.request) for s in seqs):
             return
         assert self.proposer is not None

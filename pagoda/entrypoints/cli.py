@@ -14,9 +14,9 @@ from pagoda.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ("model", "dtype", "block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
                 "num_scheduler_steps", "num_speculative_tokens", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
-                "max_model_len", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_prefault",
-                "kv_offload_memory", "attention_backend", "compile_model", "prepack_weights", "fused_ops",
-                "quantization")
+                "speculative_disable_by_batch_size", "max_model_len", "enable_prefix_caching", "kv_cache_dtype",
+                "kv_cache_prefault", "kv_offload_memory", "attention_backend", "compile_model", "prepack_weights",
+                "fused_ops", "quantization")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -47,6 +47,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="the longest n-gram that the draft lookup matches (1-32)")
     g.add_argument("--ngram-prompt-lookup-min", type=int, default=1,
                    help="the shortest n-gram that the draft lookup matches (1 to the max)")
+    g.add_argument("--speculative-disable-by-batch-size", type=int, default=1,
+                   help="no draft tokens in steps of more sequences than this (default 1: on this project's CPUs "
+                        "drafts paid for one stream and cost throughput from four; BENCHMARKS.md)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: cpp (compiled for float64 models; measured); sdpa: torch's fused attention; "

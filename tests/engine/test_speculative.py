@@ -61,7 +61,8 @@ def test_the_proposer_follows_a_request_as_tokens_are_added() -> None:
 # ---- the scheduler -----------------------------------------------------------------------------------------------
 def _scheduler(k: int = 4, num_blocks: int = 64) -> tuple[Scheduler, KVCacheManager]:
     kv = KVCacheManager(num_blocks, block_size=4, enable_caching=False)
-    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, num_speculative_tokens=k)
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, num_speculative_tokens=k,
+                          speculative_disable_by_batch_size=8)
     return Scheduler(cfg, kv), kv
 
 
@@ -110,7 +111,8 @@ def test_the_scheduler_bounds_drafts() -> None:
     out = sched.schedule()
     assert len(out.seqs) == 2 and not any(s.draft for s in out.seqs)
     sched, _ = _scheduler()
-    sched.config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, num_speculative_tokens=4)
+    sched.config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, num_speculative_tokens=4,
+                                   speculative_disable_by_batch_size=8)
     sched.add_request(_request("a", prompt))
     _start(sched)
     sched.add_request(_request("b", list(range(100, 180))))
@@ -126,6 +128,13 @@ def test_the_scheduler_bounds_drafts() -> None:
             sched.max_steps_rows = 3  # one row for the token, two for drafts
         drafts = sched.schedule().seqs[0].draft
         assert drafts == ([] if rule == "takes_steps" else [5, 6]), rule
+    # more sequences in the step than speculative_disable_by_batch_size: none
+    sched, _ = _scheduler()
+    sched.config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, num_speculative_tokens=4)  # default 1
+    for rid in ("a", "b"):
+        sched.add_request(_request(rid, prompt))
+    _start(sched)
+    assert [s.draft for s in sched.schedule().seqs] == [[], []]
     # no room for the drafts' blocks: none
     sched, kv = _scheduler(num_blocks=2)
     sched.add_request(_request("a", prompt))
@@ -140,6 +149,8 @@ def test_the_flags_are_checked() -> None:
         SchedulerConfig(num_speculative_tokens=-1)
     with pytest.raises(ValueError, match="ngram_prompt_lookup_min"):
         SchedulerConfig(num_speculative_tokens=2, ngram_prompt_lookup_max=2, ngram_prompt_lookup_min=3)
+    with pytest.raises(ValueError, match=r"speculative_disable_by_batch_size must be an integer in \[1, "):
+        SchedulerConfig(num_speculative_tokens=2, speculative_disable_by_batch_size=0)
     with pytest.raises(ValueError, match="cannot be combined"):
         SchedulerConfig(num_speculative_tokens=2, num_scheduler_steps=4)
 
@@ -201,7 +212,8 @@ def _prompts() -> list[list[int]]:
 
 def _llm(folder: Path, k: int, quantization: str = "none") -> LLM:
     return LLM(str(folder), dtype="float32", attention_backend="cpp", enable_prefix_caching=False,
-               quantization=quantization, num_speculative_tokens=k, max_num_seqs=16)
+               quantization=quantization, num_speculative_tokens=k, max_num_seqs=16,
+               speculative_disable_by_batch_size=16)
 
 
 def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
