@@ -7,8 +7,9 @@ that matches wins. The engine verifies the drafts in one forward pass and keeps 
 accepts (Sampler.verify), so what is generated follows the model's distribution exactly; drafts only change how many
 tokens a step yields.
 
-The search is bytes.rfind over the tokens as int32 (C speed: a 2,000-token sequence in a few microseconds), kept per
-request and extended by the tokens added since the last call.
+The search is bytes.rfind over the tokens as int32, kept per request and extended by the tokens added since the last
+call: where nothing matches (every n searched through the whole sequence), 3 us for 500 tokens, 8 for 2,000 and 25
+for 8,000 on the Zen 4 machine (timeit, random tokens).
 """
 
 from __future__ import annotations

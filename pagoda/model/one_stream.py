@@ -289,7 +289,6 @@ class OneStreamForward:
                 break
         return tokens, done
 
-
     def verify(self, tables: list[list[int]], positions: list[int], inputs: list[list[int]], block_size: int,
                op_seconds: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
         """Logits for draft tokens in one call (speculative decoding): sequence s takes inputs[s] (its last token,
