@@ -266,10 +266,8 @@ class OneStreamForward:
             return None
         width = max(len(t) for t in tables)
         lens = [[p + s + 1 for p in positions] for s in range(steps)]
-        slots = [[t[(p + s) // block_size] * block_size + (p + s) % block_size for t, p in zip(tables, positions,
-                                                                                                strict=True)]
-                 for s in range(steps)]
-        flat = [x for t in tables for x in t + [0] * (width - len(t))]
+        slots = [[_slot(t, p + s, block_size) for t, p in zip(tables, positions, strict=True)] for s in range(steps)]
+        flat = _padded(tables, width)
         data = torch.tensor(flat + [x for row in slots for x in row] + [x for row in lens for x in row]
                             + [p + s for s in range(steps) for p in positions], dtype=torch.int64)
         base, stride = data.data_ptr(), b * 8
@@ -315,8 +313,8 @@ class OneStreamForward:
         if not 0 < r <= self.steps_rows:
             return None
         width = max(len(t) for t in tables)
-        flat = [x for t, _, _ in rows for x in t + [0] * (width - len(t))]
-        data = torch.tensor(flat + [t[p // block_size] * block_size + p % block_size for t, p, _ in rows]
+        flat = _padded([t for t, _, _ in rows], width)
+        data = torch.tensor(flat + [_slot(t, p, block_size) for t, p, _ in rows]
                             + [p + 1 for _, p, _ in rows] + [p for _, p, _ in rows] + [x for _, _, x in rows],
                             dtype=torch.int64)
         base, n = data.data_ptr(), len(flat) * 8
@@ -327,6 +325,16 @@ class OneStreamForward:
                       out, logits, op_seconds, cut_rows=b):
             return None
         return logits, kept
+
+
+def _slot(table: list[int], position: int, block_size: int) -> int:
+    """The cache slot of a sequence's token at position (its block table's block, and the offset in it)."""
+    return table[position // block_size] * block_size + position % block_size
+
+
+def _padded(tables: list[list[int]], width: int) -> list[int]:
+    """Block tables as one (len(tables), width) int64 list, each padded with block 0 (never read: past its length)."""
+    return [x for t in tables for x in t + [0] * (width - len(t))]
 
 
 def _seconds_buffer(op_seconds: torch.Tensor) -> int:
