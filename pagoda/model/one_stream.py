@@ -296,9 +296,10 @@ class OneStreamForward:
         would compute it (the same span cut: B sequences' tables as wide as the blocks their contexts take there),
         so for one sequence the logits are that step's, bit for bit (up to 17 rows: the decode kernel changes its
         blocks a softmax update only from 32 rows, cpp_kernel.cpp's DECODE_BATCH_MIN); drafts past the first
-        position whose step would cut spans otherwise (every 4 blocks or so) are not verified. Returns (logits (rows, vocab) float32, sequence s's
-        rows first, each 1 + min(len(inputs[s]) - 1, kept); kept), or None where the forward does not take the
-        rows (too many, the lm_head outside the call, or a position past the rotary tables)."""
+        position whose step would cut spans otherwise (every 4 blocks or so) are not verified. Returns (logits
+        (rows, vocab) float32, sequence s's rows first, each 1 + min(len(inputs[s]) - 1, kept); kept), or None
+        where the forward does not take the rows (too many, the lm_head outside the call, or a position past the
+        rotary tables)."""
         b = len(inputs)
         longest = max(len(x) for x in inputs)
 
