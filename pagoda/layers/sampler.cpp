@@ -106,3 +106,28 @@ extern "C" void pagoda_sample_plain(const float* x, const int64_t* rows, int64_t
     logprobs[r] = double(row[chosen]) - lse;
   }
 }
+
+// Speculative decoding's check of a random row's draft token d (pagoda/layers/sampler.py's Sampler.verify): out[0] =
+// p(d) at temperature t > 0, exp((x[d] - max) / t) over the sum of the row's weights (the pass above's weights and
+// chunked float64 sum), and out[1] = the raw row's logsumexp, for the chosen token's logprob. One call in place of
+// torch's softmax and logsumexp over the row (two ops, ~0.1 ms each in a step's Python after the weights' stream).
+extern "C" void pagoda_token_prob(const float* x, int64_t V, float t, int64_t d, double* out) {
+  vf vmax = vf{} - std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + L <= V; i += L) {
+    const vf v = load_f32(x + i);
+    vmax = v > vmax ? v : vmax;
+  }
+  float m = hmax(vmax);
+  for (; i < V; ++i) m = std::max(m, x[i]);
+  const float inv_t = 1.0f / t;
+  double raw = 0.0, total = 0.0;
+  for (int64_t lo = 0; lo < V; lo += CHUNK) {
+    const int64_t hi = std::min(V, lo + CHUNK);
+    const double r = weight_sum(x, lo, hi, m, 1.0f);
+    raw += r;
+    total += t == 1.0f ? r : double(weight_sum(x, lo, hi, m, inv_t));
+  }
+  out[0] = double(exp_neg((x[d] - m) * inv_t)) / total;
+  out[1] = double(m) + std::log(raw);
+}

@@ -310,6 +310,8 @@ def _library() -> Any:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_sample_plain.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
     lib.pagoda_sample_plain.restype = None
+    lib.pagoda_token_prob.argtypes = [ptr, i64, ctypes.c_float, i64, ptr]
+    lib.pagoda_token_prob.restype = None
     return lib
 
 
@@ -416,10 +418,14 @@ class Sampler:
             got = 1 + next((j for j in range(n) if ids[j] != drafts[j]), n)
             return list(zip(ids[:got], lps[:got], strict=True))
         out = []
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        vocab, prob = logits.shape[1], array("d", [0.0, 0.0])
         for j, d in enumerate(drafts):  # one row at a time: most checks end at the first draft
             x = logits[j]
-            lse = float(torch.logsumexp(x, 0))
-            if row.uniforms.next() < float(torch.softmax(x / row.params.temperature, 0)[d]):
+            self.lib.pagoda_token_prob(x.data_ptr(), vocab, row.params.temperature, d, _address(prob))
+            p_d, lse = prob
+            if row.uniforms.next() < p_d:
                 out.append((d, float(x[d]) - lse))
                 continue
             rest = logits[j: j + 1].clone()

@@ -5,6 +5,7 @@ and the engine end to end against the same requests without drafts."""
 from __future__ import annotations
 
 import random
+from array import array
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,21 @@ def test_greedy_accepts_drafts_while_they_are_the_argmax() -> None:
     assert [t for t, _ in got] == best[:3]  # two accepted, the third replaced by the argmax
     assert [lp for _, lp in got] == pytest.approx([float(lps[i, best[i]]) for i in range(3)], abs=1e-6)
     assert [t for t, _ in sampler.verify(logits, best[:3], row)] == best  # all accepted, and one more
+
+
+def test_the_token_probability_pass_matches_torch() -> None:
+    """pagoda_token_prob (the random check's p(d) and logsumexp in one pass) against torch's softmax and logsumexp,
+    at temperatures below, at and above 1, over a vocabulary that is not whole chunks."""
+    sampler = _sampler()
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 3
+    x[17] = -float("inf")
+    out = array("d", [0.0, 0.0])
+    for t in (0.3, 1.0, 1.7):
+        for d in (0, 17, 333, 999):
+            sampler.lib.pagoda_token_prob(x.data_ptr(), x.shape[0], t, d, out.buffer_info()[0])
+            p = torch.softmax(x.double() / t, 0)[d]
+            assert out[0] == pytest.approx(float(p), rel=1e-5, abs=1e-12), (t, d)
+            assert out[1] == pytest.approx(float(torch.logsumexp(x.double(), 0)), rel=1e-6)
 
 
 def test_random_rows_keep_the_step_distribution() -> None:
