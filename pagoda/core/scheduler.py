@@ -262,6 +262,8 @@ class Scheduler:
             tokens = [first, *result.more.get(req.request_id, ())]
             if seq.draft:
                 self.num_accepted_tokens += len(tokens) - 1
+                if self.proposer is not None:
+                    self.proposer.record(req.request_id, len(tokens) - 1)
             for i, token in enumerate(tokens):
                 if i:  # a later decode step of the same call (SchedulerOutput.num_steps), or the token after an
                     # accepted draft token: its input, the token before, is in the cache now

@@ -231,6 +231,8 @@ class LLMEngine:
         vocab = self.model.lm_head.out_features
         sched.takes_steps = lambda req: takes_steps(req.params, req.num_output_tokens, vocab)
         sched.max_steps_rows = one_call.steps_rows
+        if sched.proposer is not None:  # where a draft's row costs much of a step (NgramProposer's figures)
+            sched.proposer.adaptive = config.model.quantization != "none"
 
     def _log_startup(self, name: str) -> None:
         p, lim = self.limits.kv, self.limits

@@ -59,6 +59,28 @@ def test_the_proposer_follows_a_request_as_tokens_are_added() -> None:
     assert p.propose(req, 2) == [1, 2]  # rebuilt from the request
 
 
+def test_a_request_drafts_one_more_than_it_has_lately_had_accepted() -> None:
+    fixed = NgramProposer(4, lookup_max=2, lookup_min=1)
+    for _ in range(8):
+        fixed.record("a", 0)
+    assert fixed.length("a") == 4  # not adaptive: always all of them
+    p = NgramProposer(4, lookup_max=2, lookup_min=1, adaptive=True)
+    assert p.length("a") == 4  # at first, all of them
+    for _ in range(8):
+        p.record("a", 0)  # every check rejected its first draft
+    assert p.length("a") == 1
+    req = _request("a", [1, 2, 3, 4, 5, 6, 1])
+    assert p.propose(req, 10) == [2]
+    for _ in range(3):
+        p.record("a", 1)
+    assert p.length("a") == 2
+    for _ in range(12):
+        p.record("a", 4)
+    assert p.length("a") == 4
+    p.forget("a")
+    assert p.length("a") == 4
+
+
 # ---- the scheduler -----------------------------------------------------------------------------------------------
 def _scheduler(k: int = 4, num_blocks: int = 64) -> tuple[Scheduler, KVCacheManager]:
     kv = KVCacheManager(num_blocks, block_size=4, enable_caching=False)
@@ -273,6 +295,8 @@ def test_greedy_requests_get_the_tokens_of_steps_without_drafts(tiny_model: tupl
         assert steps[4] == steps[0] and llm.engine.scheduler.proposer is None
     else:
         assert metrics["num_draft_tokens"] > 0
+        proposer = llm.engine.scheduler.proposer
+        assert proposer is not None and proposer.adaptive == (quantization == "q4_1")  # NgramProposer says why
         if not together:  # all at once, the request that drafts help least sets the steps
             assert metrics["num_accepted_tokens"] > 0 and steps[4] < steps[0]
 
