@@ -32,6 +32,19 @@ static inline vf exp_neg(vf y) {
 }
 static inline float exp_neg(float y) { return y * LOG2E < -126.0f ? 0.0f : exp2_neg(y * LOG2E); }
 
+// The largest of a row's V logits: whole vectors, then a scalar tail.
+static inline float row_max(const float* x, int64_t V) {
+  vf vmax = vf{} - std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + L <= V; i += L) {
+    const vf v = load_f32(x + i);
+    vmax = v > vmax ? v : vmax;
+  }
+  float m = hmax(vmax);
+  for (; i < V; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
 // Sum of exp((x[i] - m) * inv_t) over [lo, hi): whole vectors, then a scalar tail.
 static inline float weight_sum(const float* x, int64_t lo, int64_t hi, float m, float inv_t) {
   vf acc = {};
@@ -52,14 +65,7 @@ extern "C" void pagoda_sample_plain(const float* x, const int64_t* rows, int64_t
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < R; ++r) {
     const float* row = x + rows[r] * stride;
-    vf vmax = vf{} - std::numeric_limits<float>::infinity();
-    int64_t i = 0;
-    for (; i + L <= V; i += L) {
-      const vf v = load_f32(row + i);
-      vmax = v > vmax ? v : vmax;
-    }
-    float m = hmax(vmax);
-    for (; i < V; ++i) m = std::max(m, row[i]);
+    const float m = row_max(row, V);
     // logsumexp of the raw row, in float64 across chunks; with T == 1, the chunk sums are also the weights'
     double* cdf = work + r * chunks;
     const float t = temps[r];
@@ -112,14 +118,7 @@ extern "C" void pagoda_sample_plain(const float* x, const int64_t* rows, int64_t
 // chunked float64 sum), and out[1] = the raw row's logsumexp, for the chosen token's logprob. One call in place of
 // torch's softmax and logsumexp over the row (two ops, ~0.1 ms each in a step's Python after the weights' stream).
 extern "C" void pagoda_token_prob(const float* x, int64_t V, float t, int64_t d, double* out) {
-  vf vmax = vf{} - std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-  for (; i + L <= V; i += L) {
-    const vf v = load_f32(x + i);
-    vmax = v > vmax ? v : vmax;
-  }
-  float m = hmax(vmax);
-  for (; i < V; ++i) m = std::max(m, x[i]);
+  const float m = row_max(x, V);
   const float inv_t = 1.0f / t;
   double raw = 0.0, total = 0.0;
   for (int64_t lo = 0; lo < V; lo += CHUNK) {

@@ -19,6 +19,7 @@ from pagoda.core.outputs import ModelRunnerOutput, SampledToken
 from pagoda.core.scheduler import Scheduler
 from pagoda.layers.sampler import Sampler, SamplingRow, UniformStream
 from pagoda.request import Request
+from tests.engine.test_scheduler_steps import _run  # what a run gives: ids, text, logprobs, reasons
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int = 50, max_total: int = 1000) -> Request:
@@ -252,11 +253,6 @@ def _llm(folder: Path, k: int, quantization: str = "none") -> LLM:
     return LLM(str(folder), dtype="float32", attention_backend="cpp", enable_prefix_caching=False,
                quantization=quantization, num_speculative_tokens=k, max_num_seqs=16,
                speculative_disable_by_batch_size=16)
-
-
-def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
-    return [(list(c.token_ids), c.text, c.cumulative_logprob, c.finish_reason, c.stop_reason)
-            for r in llm.generate(prompts, params, use_tqdm=False) for c in r.outputs]
 
 
 @pytest.mark.parametrize("quantization", ["none", "q4_1"])
