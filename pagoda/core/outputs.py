@@ -61,3 +61,9 @@ class ModelRunnerOutput:
     # Per request asking for prompt logprobs: (index of the first prompt token covered, one dict per
     # prompt token from there on) for the prompt positions computed this step.
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+
+    def add(self, request_id: str, tokens: list[SampledToken]) -> None:
+        """A request's tokens of this step, in order (one, or several: `more` takes those after the first)."""
+        self.sampled[request_id] = tokens[0]
+        if len(tokens) > 1:
+            self.more[request_id] = tokens[1:]

@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from pagoda.config import EngineConfig, ModelConfig
@@ -231,8 +232,8 @@ class LLMEngine:
         vocab = self.model.lm_head.out_features
         sched.takes_steps = lambda req: takes_steps(req.params, req.num_output_tokens, vocab)
         sched.max_steps_rows = one_call.steps_rows
-        if sched.proposer is not None:  # where a draft's row costs much of a step (NgramProposer's figures)
-            sched.proposer.adaptive = config.model.quantization != "none"
+        if sched.proposer is not None:  # all but float32 weights, whose rows cost least (NgramProposer's figures)
+            sched.proposer.adaptive = config.model.quantization != "none" or config.model.torch_dtype != torch.float32
 
     def _log_startup(self, name: str) -> None:
         p, lim = self.limits.kv, self.limits

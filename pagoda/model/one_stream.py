@@ -181,8 +181,16 @@ class OneStreamForward:
 
     @property
     def steps_rows(self) -> int:
-        """The most rows decode_steps takes: its lm_head in the call with float32 logits (0: never)."""
-        return min(self.max_rows, self._lm_rows) if self._logits_dtype == torch.float32 else 0
+        """The most rows decode_steps and verify take: their lm_head in the call (0: never). Its logits are float32,
+        or a bfloat16 model's bfloat16, which the sampler takes converted to float32 (exactly: as the engine's
+        runner converts a step's), so the tokens are those of steps one by one either way."""
+        return min(self.max_rows, self._lm_rows) if self._logits_dtype in (torch.float32, torch.bfloat16) else 0
+
+    def _logits(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where the call writes `rows` rows of logits (the lm_head's dtype), and, where that is not float32, a
+        float32 buffer for them (_as_float32)."""
+        logits = torch.empty((rows, self._vocab), dtype=self._logits_dtype)
+        return logits, None if logits.dtype == torch.float32 else torch.empty((rows, self._vocab))
 
     def applies(self, meta: AttentionMetadata) -> bool:
         """Whether the step is decodes alone, in one group in batch order, at most max_rows of them."""
@@ -259,23 +267,21 @@ class OneStreamForward:
         span cut: its sequences' blocks so far, as the table of a step of its own is wide), so the tokens are the
         same as from steps taken one by one. Returns ((steps + 1) x b token ids, row 0 the inputs; and the steps
         run: fewer than asked where every row stopped or a position is past the rotary tables), or None where the
-        forward does not take
-        these steps (the lm_head outside the call, or logits that are not float32; no step was run)."""
+        forward does not take these steps (more rows than steps_rows; no step was run). sample gets float32 logits
+        (steps_rows says how a bfloat16 model's are converted)."""
         b = len(ids)
         if not 0 < b <= self.steps_rows:
             return None
         width = max(len(t) for t in tables)
         lens = [[p + s + 1 for p in positions] for s in range(steps)]
         slots = [[_slot(t, p + s, block_size) for t, p in zip(tables, positions, strict=True)] for s in range(steps)]
-        flat = _padded(tables, width)
-        data = torch.tensor(flat + [x for row in slots for x in row] + [x for row in lens for x in row]
-                            + [p + s for s in range(steps) for p in positions], dtype=torch.int64)
-        base, stride = data.data_ptr(), b * 8
-        slot0 = base + len(flat) * 8
-        len0, pos0 = slot0 + steps * stride, slot0 + 2 * steps * stride
+        data, (base, slot0, len0, pos0) = _blob(tables, width, [x for row in slots for x in row],
+                                                [x for row in lens for x in row],
+                                                [p + s for s in range(steps) for p in positions])
+        stride = b * 8  # a step's row of each column
         tokens = array("q", ids + [0] * (steps * b))
         out = torch.empty((b, self._hidden), dtype=self._dtype)
-        logits = torch.empty((b, self._vocab), dtype=torch.float32)
+        logits, buffer = self._logits(b)
         done = 0
         for s in range(steps):
             blocks = -(-max(lens[s]) // block_size)  # the table's width in a step of its own
@@ -283,7 +289,7 @@ class OneStreamForward:
                           len0 + s * stride, blocks, out, logits, op_seconds):
                 break
             done += 1
-            if sample(s, logits, _address(tokens) + (s + 1) * stride):
+            if sample(s, _as_float32(logits, buffer), _address(tokens) + (s + 1) * stride):
                 break
         return tokens, done
 
@@ -315,18 +321,21 @@ class OneStreamForward:
         if not 0 < r <= self.steps_rows:
             return None
         width = max(len(t) for t in tables)
-        flat = _padded([t for t, _, _ in rows], width)
-        data = torch.tensor(flat + [_slot(t, p, block_size) for t, p, _ in rows]
-                            + [p + 1 for _, p, _ in rows] + [p for _, p, _ in rows] + [x for _, _, x in rows],
-                            dtype=torch.int64)
-        base, n = data.data_ptr(), len(flat) * 8
-        slots, lens, pos, ids = base + n, base + n + r * 8, base + n + 2 * r * 8, base + n + 3 * r * 8
+        data, (base, slots, lens, pos, ids) = _blob([t for t, _, _ in rows], width,
+                                                    [_slot(t, p, block_size) for t, p, _ in rows],
+                                                    [p + 1 for _, p, _ in rows], [p for _, p, _ in rows],
+                                                    [x for _, _, x in rows])
         out = torch.empty((r, self._hidden), dtype=self._dtype)
-        logits = torch.empty((r, self._vocab), dtype=torch.float32)
+        logits, buffer = self._logits(r)
         if self._step(r, ids, pos, slots, base, width, lens, -(-max(p + kept + 1 for p in positions) // block_size),
                       out, logits, op_seconds, cut_rows=b):
             return None
-        return logits, kept
+        return _as_float32(logits, buffer), kept
+
+
+def _as_float32(logits: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+    """The call's logits as float32 (OneStreamForward._logits): themselves, or converted into buffer."""
+    return logits if buffer is None else buffer.copy_(logits)
 
 
 def _slot(table: list[int], position: int, block_size: int) -> int:
@@ -334,9 +343,18 @@ def _slot(table: list[int], position: int, block_size: int) -> int:
     return table[position // block_size] * block_size + position % block_size
 
 
-def _padded(tables: list[list[int]], width: int) -> list[int]:
-    """Block tables as one (len(tables), width) int64 list, each padded with block 0 (never read: past its length)."""
-    return [x for t in tables for x in t + [0] * (width - len(t))]
+def _blob(tables: list[list[int]], width: int, *columns: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The block tables as one (len(tables), width) array, each padded with block 0 (never read: past its length),
+    then each column, in one int64 tensor (one list to convert): the tensor (keep it while the call runs) and the
+    addresses of the tables and of each column."""
+    flat = [x for t in tables for x in t + [0] * (width - len(t))]
+    data = torch.tensor(flat + [x for c in columns for x in c], dtype=torch.int64)
+    addresses = [data.data_ptr()]
+    at = addresses[0] + len(flat) * 8
+    for c in columns:
+        addresses.append(at)
+        at += len(c) * 8
+    return data, addresses
 
 
 def _seconds_buffer(op_seconds: torch.Tensor) -> int:

@@ -104,10 +104,8 @@ class ModelRunner:
         tokens, steps = done
         out = ModelRunnerOutput()
         for i, s in enumerate(sched.seqs):
-            got = [SampledToken(tokens[(k + 1) * b + i], logprobs[k * b + i]) for k in range(steps)]
-            out.sampled[s.request.request_id] = got[0]
-            if steps > 1:
-                out.more[s.request.request_id] = got[1:]
+            out.add(s.request.request_id, [SampledToken(tokens[(k + 1) * b + i], logprobs[k * b + i])
+                                           for k in range(steps)])
         return out
 
     def _verify(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -132,9 +130,7 @@ class ModelRunner:
                 drafts = s.draft[:kept]
                 tokens = self.sampler.verify(logits[row0: row0 + len(drafts) + 1], drafts, _row(s))
                 row0 += len(drafts) + 1
-                out.sampled[s.request.request_id] = SampledToken(*tokens[0])
-                if len(tokens) > 1:
-                    out.more[s.request.request_id] = [SampledToken(*t) for t in tokens[1:]]
+                out.add(s.request.request_id, [SampledToken(*t) for t in tokens])
         return out
 
     def _sample(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:

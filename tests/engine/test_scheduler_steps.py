@@ -24,9 +24,15 @@ def _prompts(n: int = len(PROMPT_LENS)) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(PROMPT_LENS[i % len(PROMPT_LENS)])] for i in range(n)]
 
 
-def _llm(folder: Path, steps: int, quantization: str) -> LLM:
+# The weights the one-call forward runs several steps (and drafts) for: float32, q4_1 under a float32 model, and
+# bfloat16, whose logits the sampler takes converted to float32 (OneStreamForward.steps_rows)
+WEIGHTS = {"float32": ("float32", "none"), "q4_1": ("float32", "q4_1"), "bfloat16": ("bfloat16", "none")}
+
+
+def _llm(folder: Path, steps: int, weights: str) -> LLM:
     # no prefix caching: a second run's prompts would start from the first's blocks
-    return LLM(str(folder), dtype="float32", attention_backend="cpp", enable_prefix_caching=False,
+    dtype, quantization = WEIGHTS[weights]
+    return LLM(str(folder), dtype=dtype, attention_backend="cpp", enable_prefix_caching=False,
                quantization=quantization, num_scheduler_steps=steps, max_num_seqs=16)
 
 
@@ -35,9 +41,9 @@ def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> li
             for r in llm.generate(prompts, params, use_tqdm=False) for c in r.outputs]
 
 
-@pytest.mark.parametrize("quantization", ["none", "q4_1"])
+@pytest.mark.parametrize("weights", list(WEIGHTS))
 @pytest.mark.parametrize("together", [False, True])
-def test_several_steps_a_call_give_the_tokens_of_single_steps(tiny_model: tuple[str, Path], quantization: str,
+def test_several_steps_a_call_give_the_tokens_of_single_steps(tiny_model: tuple[str, Path], weights: str,
                                                               together: bool) -> None:
     """Greedy and seeded random requests, one at a time (one stream) or all at once (decode steps of several rows),
     with max_tokens that are not multiples of the steps a call: token ids, text, logprobs and finish reasons the
@@ -49,7 +55,7 @@ def test_several_steps_a_call_give_the_tokens_of_single_steps(tiny_model: tuple[
               for i in range(len(prompts))]
     results, steps = {}, {}
     for n in (1, 4):
-        llm = _llm(folder, n, quantization)
+        llm = _llm(folder, n, weights)
         if together:
             results[n] = _run(llm, prompts, params)
         else:
@@ -74,7 +80,7 @@ def test_a_stop_inside_a_call_drops_the_tokens_after_it(tiny_model: tuple[str, P
     if arch == "qwen3":
         return  # no one-call forward: nothing runs several steps
     prompt = _prompts(1)[0]
-    free = _run(_llm(folder, 1, "none"), [prompt], [SamplingParams(temperature=0.0, max_tokens=40,
+    free = _run(_llm(folder, 1, "float32"), [prompt], [SamplingParams(temperature=0.0, max_tokens=40,
                                                                     ignore_eos=True)])[0]
     tokens, text = free[0], free[1]
     stop_at = 9  # an index that is not the last of a call of 4 (the first call's tokens are 1-4, then 5-8, 9-12)
@@ -85,7 +91,7 @@ def test_a_stop_inside_a_call_drops_the_tokens_after_it(tiny_model: tuple[str, P
              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[fragment]),
              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=False)]
     for n in (4, 1):
-        llm = _llm(folder, n, "none")
+        llm = _llm(folder, n, "float32")
         llm.engine.tokenizer.eos_token_ids = frozenset({tokens[first]})  # what each new request takes
         got = _run(llm, [prompt] * len(cases), cases)
         if n == 4:
@@ -95,7 +101,7 @@ def test_a_stop_inside_a_call_drops_the_tokens_after_it(tiny_model: tuple[str, P
     # alone, a request that stops inside a call ends the call there: one step a token up to the stop, none after
     from pagoda.model.one_stream import OneStreamForward
 
-    llm = _llm(folder, 4, "none")
+    llm = _llm(folder, 4, "float32")
     llm.engine.tokenizer.eos_token_ids = frozenset({tokens[first]})
     calls: list[int] = []
     step = OneStreamForward._step
@@ -220,7 +226,7 @@ def test_a_row_the_call_does_not_take_keeps_single_steps(tiny_model: tuple[str, 
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)]
     results, steps = {}, {}
     for n in (1, 4):
-        llm = _llm(folder, n, "none")
+        llm = _llm(folder, n, "float32")
         steps[n] = _count_planned_steps(llm.engine.scheduler)
         results[n] = _run(llm, prompts, params)
     assert results[4] == results[1]

@@ -19,7 +19,7 @@ from pagoda.core.outputs import ModelRunnerOutput, SampledToken
 from pagoda.core.scheduler import Scheduler
 from pagoda.layers.sampler import Sampler, SamplingRow, UniformStream
 from pagoda.request import Request
-from tests.engine.test_scheduler_steps import _run  # what a run gives: ids, text, logprobs, reasons
+from tests.engine.test_scheduler_steps import WEIGHTS, _run  # what a run gives: ids, text, logprobs, reasons
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int = 50, max_total: int = 1000) -> Request:
@@ -249,15 +249,16 @@ def _prompts() -> list[list[int]]:
     return out
 
 
-def _llm(folder: Path, k: int, quantization: str = "none") -> LLM:
-    return LLM(str(folder), dtype="float32", attention_backend="cpp", enable_prefix_caching=False,
+def _llm(folder: Path, k: int, weights: str = "float32") -> LLM:
+    dtype, quantization = WEIGHTS[weights]
+    return LLM(str(folder), dtype=dtype, attention_backend="cpp", enable_prefix_caching=False,
                quantization=quantization, num_speculative_tokens=k, max_num_seqs=16,
                speculative_disable_by_batch_size=16)
 
 
-@pytest.mark.parametrize("quantization", ["none", "q4_1"])
+@pytest.mark.parametrize("weights", list(WEIGHTS))
 @pytest.mark.parametrize("together", [False, True])
-def test_greedy_requests_get_the_tokens_of_steps_without_drafts(tiny_model: tuple[str, Path], quantization: str,
+def test_greedy_requests_get_the_tokens_of_steps_without_drafts(tiny_model: tuple[str, Path], weights: str,
                                                                 together: bool) -> None:
     """Greedy requests, one at a time and all at once: token ids, text, logprobs and finish reasons the same,
     exactly (all at once: logprobs within rounding), with drafts proposed and, one at a time, accepted in fewer
@@ -267,7 +268,7 @@ def test_greedy_requests_get_the_tokens_of_steps_without_drafts(tiny_model: tupl
     params = [SamplingParams(temperature=0.0, max_tokens=30 + 7 * i, ignore_eos=True) for i in range(len(prompts))]
     results, steps = {}, {}
     for k in (0, 4):
-        llm = _llm(folder, k, quantization)
+        llm = _llm(folder, k, weights)
         if together:
             results[k] = _run(llm, prompts, params)
         else:
@@ -276,13 +277,13 @@ def test_greedy_requests_get_the_tokens_of_steps_without_drafts(tiny_model: tupl
         metrics = llm.engine.get_metrics()
         assert not llm.engine.kv.block_tables  # every block handed back
         llm.engine.kv.check_invariants()
-    if together and quantization == "q4_1":
+    if together and weights == "q4_1":
         # Sequences that accept drafts run ahead of the others, so steps hold other contexts than without drafts;
         # decode attention's span cut follows a step's longest context where it holds 2-3 sequences, and the int8
         # rounding of each layer's input turns its last-bit differences into larger ones: near-ties may go either
         # way, so only what does not depend on them is compared
         assert [(len(r[0]), r[3]) for r in results[4]] == [(len(r[0]), r[3]) for r in results[0]]
-    elif together:  # float32: the same tokens, logprobs within float32 rounding
+    elif together:  # float32 and bfloat16: the same tokens, logprobs within float32 rounding
         assert [(r[0], r[1], r[3]) for r in results[4]] == [(r[0], r[1], r[3]) for r in results[0]]
         assert [r[2] for r in results[4]] == pytest.approx([r[2] for r in results[0]], rel=1e-6)
     else:
@@ -292,7 +293,7 @@ def test_greedy_requests_get_the_tokens_of_steps_without_drafts(tiny_model: tupl
     else:
         assert metrics["num_draft_tokens"] > 0
         proposer = llm.engine.scheduler.proposer
-        assert proposer is not None and proposer.adaptive == (quantization == "q4_1")  # NgramProposer says why
+        assert proposer is not None and proposer.adaptive == (weights != "float32")  # NgramProposer says why
         if not together:  # all at once, the request that drafts help least sets the steps
             assert metrics["num_accepted_tokens"] > 0 and steps[4] < steps[0]
 
