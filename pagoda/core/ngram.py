@@ -32,11 +32,14 @@ class NgramProposer:
     Why adaptive: every draft is a row more in the verifying call, and rows that are rejected cost without yielding.
     A request keeps an average of the drafts accepted per check (weighted ACCEPTED_WEIGHT toward the latest;
     num_tokens at first), and drafts one more than that, rounded: one where its drafts keep failing (the cheapest
-    probe that can still find a run of repeats), num_tokens where they keep being accepted. It pays where a row
-    costs much of a step: with q4_1 weights (one stream, 16 code rewrites, K = 4, Zen 4), greedy 1.36-1.52x the
-    tokens/s without drafts against 1.26-1.27x for K drafts always, and at temperature 1 1.01-1.04x against
-    0.79-0.97x; but not where the weights' read bounds the step and a row costs little: float32 greedy 1.35-1.87x
-    against 1.75-2.21x (BENCHMARKS.md). So LLMEngine makes it adaptive for quantized weights only."""
+    probe that can still find a run of repeats), num_tokens where they keep being accepted. One stream, 16 code
+    rewrites, K = 4, Zen 4, the tokens/s without drafts as 1 (BENCHMARKS.md): with q4_1, where a row costs most,
+    greedy 1.36-1.52x against 1.26-1.27x for K drafts always, temperature 1 1.01-1.04x against 0.79-0.97x; with
+    q8_0 and bfloat16 it loses a little of greedy's gain (1.49-1.68x against 1.56-1.77x) and wins more where few
+    drafts are kept (temperature 1: 1.11-1.24x in three of four rounds against 0.92-1.13x); with float32 weights,
+    whose step the weights' read bounds, a row costs least and it loses much of greedy's gain (1.35-1.87x against
+    1.75-2.21x) for nothing clear at temperature 1 (0.95x and 1.25x against 0.93x and 1.10x). So LLMEngine makes
+    it adaptive for every format but float32."""
 
     def __init__(self, num_tokens: int, lookup_max: int, lookup_min: int, adaptive: bool = False) -> None:
         self.num_tokens = num_tokens
