@@ -20,7 +20,9 @@ between runs).
 layers'): the plain read of those bytes in this process, since one process's memory can be twice another's on these
 VMs; `--block-order shared` gives every sequence the same blocks, which then stay in L2: the arithmetic alone.
 `--kernel-only` times the C++ kernel with its arguments bound beforehand, as the one-call one-stream forward
-calls it: for one sequence, the backend's Python around the call takes longer than the kernel.
+calls it: for one sequence, the backend's Python around the call takes longer than the kernel. Each call still
+crosses from Python through ctypes, which the forward's calls from C++ do not: 1.25-1.32 us of a short context's
+~5 on the Zen 4 machine (BENCHMARKS.md, "What bounds one q4_1 stream's linears").
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def main() -> None:
                    help="caches of this many layers, attended in turn as a step does; with 30 (the default model's "
                         "count) they no longer fit in L3 and come from memory, as in the engine")
     p.add_argument("--kernel-only", action="store_true",
-                   help="cpp only: time the kernel called with its arguments prepared once (~1 us of ctypes a call), "
+                   help="cpp only: time the kernel called with its arguments prepared once (~1.3 us of ctypes a call), "
                         "as the one-call one-stream forward calls it, not the backend's Python around it (tens of "
                         "us, which hide one sequence's attention)")
     p.add_argument("--versus-rev", default=None, metavar="REV",
