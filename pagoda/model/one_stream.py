@@ -275,7 +275,7 @@ class OneStreamForward:
         width = max(len(t) for t in tables)
         lens = [[p + s + 1 for p in positions] for s in range(steps)]
         slots = [[_slot(t, p + s, block_size) for t, p in zip(tables, positions, strict=True)] for s in range(steps)]
-        data, (base, slot0, len0, pos0) = _blob(tables, width, [x for row in slots for x in row],
+        blob, (base, slot0, len0, pos0) = _blob(tables, width, [x for row in slots for x in row],  # read by the calls
                                                 [x for row in lens for x in row],
                                                 [p + s for s in range(steps) for p in positions])
         stride = b * 8  # a step's row of each column
@@ -321,7 +321,7 @@ class OneStreamForward:
         if not 0 < r <= self.steps_rows:
             return None
         width = max(len(t) for t in tables)
-        data, (base, slots, lens, pos, ids) = _blob([t for t, _, _ in rows], width,
+        blob, (base, slots, lens, pos, ids) = _blob([t for t, _, _ in rows], width,  # read by the call
                                                     [_slot(t, p, block_size) for t, p, _ in rows],
                                                     [p + 1 for _, p, _ in rows], [p for _, p, _ in rows],
                                                     [x for _, _, x in rows])

@@ -81,7 +81,7 @@ def test_a_stop_inside_a_call_drops_the_tokens_after_it(tiny_model: tuple[str, P
         return  # no one-call forward: nothing runs several steps
     prompt = _prompts(1)[0]
     free = _run(_llm(folder, 1, "float32"), [prompt], [SamplingParams(temperature=0.0, max_tokens=40,
-                                                                    ignore_eos=True)])[0]
+                                                                       ignore_eos=True)])[0]
     tokens, text = free[0], free[1]
     stop_at = 9  # an index that is not the last of a call of 4 (the first call's tokens are 1-4, then 5-8, 9-12)
     token = tokens[stop_at]
