@@ -131,7 +131,7 @@ class Scheduler:
         one; blocks already given stay with their requests, which fill them next). Where a request stops early
         (EOS, a stop string), the tokens computed past its end are dropped."""
         n = self.max_decode_steps
-        if n == 1 or self.waiting or len(seqs) > self.max_steps_rows or not self._call_decodes(seqs):
+        if n == 1 or self.waiting or len(seqs) > self.max_steps_rows or not self._call_decodes(seqs, steps=True):
             return 1
         for s in seqs:
             req = s.request
@@ -142,18 +142,19 @@ class Scheduler:
             return n
         return 1
 
-    def _call_decodes(self, seqs: list[ScheduledSeq]) -> bool:
-        """Whether the step is decodes alone (each one token that samples), of rows that a call of several tokens
-        a row takes (takes_steps): what several decode steps a call and draft tokens both ask of a step."""
-        return bool(seqs) and all(s.num_new_tokens == 1 and s.samples and self.takes_steps(s.request) for s in seqs)
+    def _call_decodes(self, seqs: list[ScheduledSeq], steps: bool) -> bool:
+        """Whether the step is decodes alone (each one token that samples): what several decode steps a call and
+        draft tokens both ask of a step; for several steps (steps), also of rows such a call samples (takes_steps;
+        the check of drafts takes any row: Sampler.verify)."""
+        return bool(seqs) and all(s.num_new_tokens == 1 and s.samples and (not steps or self.takes_steps(s.request))
+                                  for s in seqs)
 
     def _propose(self, seqs: list[ScheduledSeq]) -> None:
         """Draft tokens for the step's decodes, where it is decodes alone (no waiting request could be admitted
-        this step, so drafts take no room from one), of at most speculative_disable_by_batch_size sequences, and
-        of rows the verifying call takes (takes_steps): each gets the proposer's drafts where they fit the token
-        budget, the call's rows (max_steps_rows) and what the request may still generate past this step's token,
-        and their blocks now (else none)."""
-        if len(seqs) > self.config.speculative_disable_by_batch_size or not self._call_decodes(seqs):
+        this step, so drafts take no room from one) of at most speculative_disable_by_batch_size sequences: each
+        gets the proposer's drafts where they fit the token budget, the verifying call's rows (max_steps_rows) and
+        what the request may still generate past this step's token, and their blocks now (else none)."""
+        if len(seqs) > self.config.speculative_disable_by_batch_size or not self._call_decodes(seqs, steps=False):
             return
         assert self.proposer is not None
         rows = len(seqs)

@@ -30,7 +30,7 @@ import logging
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -242,18 +242,26 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (chunk * _CDF_CHUNK + within).squeeze(1)
 
 
+def _weights(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The unnormalised probabilities (r, vocab) non-greedy rows of logits sample from: temperature, then the
+    rows' filters (filtered-out tokens: 0)."""
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+    scaled = _filter(logits / temps.unsqueeze(1), rows)
+    # Unnormalised: _inverse_cdf scales the draw by the row total instead.
+    return (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()
+
+
+def _draws(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    """One uniform draw in [0, 1) per row from the row's own generator (r,), float64."""
+    return torch.tensor([r.uniforms.next() for r in rows], dtype=torch.float64, device=device)
+
+
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Samples one token per row of logits (r, vocab) for non-greedy rows; returns ids (r,)."""
-    device, dtype = logits.device, logits.dtype
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=dtype, device=device)
-    scaled = _filter(logits / temps.unsqueeze(1), rows)
-    # Unnormalised probabilities: _inverse_cdf scales the draw by the row total instead.
-    weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()  # (r, vocab); filtered-out: 0
     # Inverse-CDF sampling with one uniform draw per row from the row's own generator, so the
     # tokens depend only on the request's seed and its own logits, not on the rest of the batch.
     # (One draw per row instead of one per vocab entry: far cheaper on CPU.)
-    u = torch.tensor([r.uniforms.next() for r in rows], dtype=torch.float64, device=device)  # (r,) in [0, 1)
-    return _inverse_cdf(weights, u)
+    return _inverse_cdf(_weights(logits, rows), _draws(rows, logits.device))
 
 
 def _logprob_dicts(
@@ -399,42 +407,85 @@ class Sampler:
 
         return sample, logprobs
 
-    def verify(self, logits: torch.Tensor, drafts: list[int], row: SamplingRow) -> list[tuple[int, float]]:
-        """Speculative decoding's check of one sequence's draft tokens, for a row that takes_steps: logits
-        (len(drafts) + 1, vocab) float32, row j the logits after the sequence's j-th input (its last token, then
-        the drafts). Returns (token id, raw logprob) for the drafts accepted and one token more, so that the tokens
-        follow the distribution the row's own sampling gives, exactly:
-        - greedy: draft j is accepted where it is the step's argmax (the C++ pass's, as a step of its own would
-          choose it), and the first that is not gives way to that argmax: the tokens and logprobs of steps taken one
-          by one;
-        - random (temperature, no filter): draft d is accepted with probability p(d), p the step's distribution,
-          against a draw from the row's stream; where it is not, the token is drawn from p without d (renormalized).
-          A token is then d with probability p(d), and t != d with (1 - p(d)) p(t) / (1 - p(d)) = p(t): the
-          distribution of a step of its own (the draws differ, so the tokens of a seeded request do too).
-        Where every draft is accepted, the last row gives one more token as a step would."""
-        n = len(drafts)
+    def verify(self, logits: torch.Tensor, drafts: list[int], row: SamplingRow) -> SamplerOutput:
+        """Speculative decoding's check of one sequence's draft tokens: logits (len(drafts) + 1, vocab) float32, row
+        j the logits after the sequence's j-th input (its last token, then the drafts). Returns the drafts accepted
+        and one token more (ids, raw logprobs and, where the row asks, top logprobs), so that the tokens follow the
+        distribution the row's own sampling gives, exactly:
+        - greedy: draft j is accepted where it is the step's argmax (as a step of its own would choose it), and the
+          first that is not gives way to that argmax: the tokens and logprobs of steps taken one by one;
+        - random: draft d is accepted with probability p(d), p the step's distribution (temperature and filters),
+          against a draw from the row's stream; where it is not, the token is drawn from p without d
+          (renormalized). A token is then d with probability p(d), and t != d with (1 - p(d)) p(t) / (1 - p(d)) =
+          p(t): the distribution of a step of its own (the draws differ, so the tokens of a seeded request do too).
+        Where every draft is accepted, the last row gives one more token as a step would. Each position sees the
+        drafts before it among the row's outputs (penalties, min_tokens). Rows that several steps a call take
+        (takes_steps: no logprobs, nothing to process) go through the C++ pass; the others through the torch
+        path's own steps (_verify_processed)."""
+        n, vocab = len(drafts), logits.shape[1]
+        if self.lib is None or not takes_steps(row.params, len(row.output_token_ids), vocab):
+            return self._verify_processed(logits, drafts, row)
         if row.params.greedy:
             ids, lps = self._sample_plain(logits, [row] * (n + 1), list(range(n + 1)))
             got = 1 + next((j for j in range(n) if ids[j] != drafts[j]), n)
-            return list(zip(ids[:got], lps[:got], strict=True))
-        out = []
+            return SamplerOutput(ids[:got], lps[:got], [None] * got)
+        out = SamplerOutput([], [], [])
         if logits.stride(1) != 1:
             logits = logits.contiguous()
-        vocab, prob = logits.shape[1], array("d", [0.0, 0.0])
+        prob = array("d", [0.0, 0.0])
         for j, d in enumerate(drafts):  # one row at a time: most checks end at the first draft
             x = logits[j]
             self.lib.pagoda_token_prob(x.data_ptr(), vocab, row.params.temperature, d, _address(prob))
             p_d, lse = prob
             if row.uniforms.next() < p_d:
-                out.append((d, float(x[d]) - lse))
+                out.token_ids.append(d)
+                out.logprobs.append(float(x[d]) - lse)
+                out.top_logprobs.append(None)
                 continue
             rest = logits[j: j + 1].clone()
             rest[0, d] = -float("inf")
             t = self._sample_plain(rest, [row], [0])[0][0]
-            out.append((t, float(x[t]) - lse))
+            out.token_ids.append(t)
+            out.logprobs.append(float(x[t]) - lse)
+            out.top_logprobs.append(None)
             return out
         ids, lps = self._sample_plain(logits[n: n + 1], [row], [0])
-        return [*out, (ids[0], lps[0])]
+        out.token_ids.append(ids[0])
+        out.logprobs.append(lps[0])
+        out.top_logprobs.append(None)
+        return out
+
+    def _verify_processed(self, logits: torch.Tensor, drafts: list[int], row: SamplingRow) -> SamplerOutput:
+        """verify for a row with logprobs, bias, penalties, a min_tokens block or filters, position by position,
+        each seeing the drafts before it among the row's outputs. A greedy row's positions, and the last one of a
+        random row's, are sampled by the sampler itself (__call__ on that one row): the tokens, logprobs and top
+        logprobs of steps one by one. A random row's draft d is kept against the step's distribution after its
+        processing, temperature and filters, as __call__'s torch path computes it, else the token is drawn from it
+        without d."""
+        out = SamplerOutput([], [], [])
+        for j in range(len(drafts) + 1):
+            at = replace(row, output_token_ids=[*row.output_token_ids, *drafts[:j]])  # the row at position j
+            x = logits[j: j + 1]
+            d = drafts[j] if j < len(drafts) else -1
+            if row.params.greedy or d < 0:
+                step = self(x, [at])
+                t, logprob, top = step.token_ids[0], step.logprobs[0], step.top_logprobs[0]
+            else:
+                w = _weights(apply_logit_processing(x, [at]), [at])
+                if row.uniforms.next() * float(w.sum(dtype=torch.float64)) < float(w[0, d]):
+                    t = d
+                else:
+                    w[0, d] = 0.0  # p without d
+                    t = int(_inverse_cdf(w, _draws([at], x.device)))
+                ids = torch.tensor([t], dtype=torch.long, device=x.device)
+                logprob = float(x.gather(1, ids.unsqueeze(1)).squeeze(1) - x.logsumexp(dim=-1))
+                top = _top_logprobs(x, [t], [at])[0]
+            out.token_ids.append(t)
+            out.logprobs.append(logprob)
+            out.top_logprobs.append(top)
+            if t != d:
+                break
+        return out
 
     def _sample_plain(self, logits: torch.Tensor, rows: list[SamplingRow],
                       which: list[int]) -> tuple[list[int], list[float]]:

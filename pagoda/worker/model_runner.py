@@ -128,9 +128,10 @@ class ModelRunner:
             row0 = 0
             for s in sched.seqs:
                 drafts = s.draft[:kept]
-                tokens = self.sampler.verify(logits[row0: row0 + len(drafts) + 1], drafts, _row(s))
+                checked = self.sampler.verify(logits[row0: row0 + len(drafts) + 1], drafts, _row(s))
                 row0 += len(drafts) + 1
-                out.add(s.request.request_id, [SampledToken(*t) for t in tokens])
+                out.add(s.request.request_id, [SampledToken(*t) for t in zip(
+                    checked.token_ids, checked.logprobs, checked.top_logprobs, strict=True)])
         return out
 
     def _sample(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:

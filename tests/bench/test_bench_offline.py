@@ -119,6 +119,28 @@ def test_latency_reports_every_timed_iteration(model_dir: Path, capsys: pytest.C
     assert main(["bench", "latency", "--model", str(model_dir), "--num-iters", "0", *ENGINE]) == 2
 
 
+def test_sampling_flags_reach_the_pagoda_requests_and_no_peer(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """--temperature and --top-p set the pagoda backend's requests; a peer, which samples at temperature 1 without a
+    filter, refuses them."""
+    from pagoda.entrypoints.llm import LLM
+
+    seen: list[Any] = []
+    generate = LLM.generate
+
+    def spy(self: LLM, prompts: Any, params: Any, **kwargs: Any) -> Any:
+        seen.extend(params)
+        return generate(self, prompts, params, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    run_json(capsys, "bench", "throughput", "--model", str(model_dir), *WORKLOAD, "--json", *ENGINE,
+             "--temperature", "0.5", "--top-p", "0.8")
+    assert len(seen) == 3 and {(p.temperature, p.top_p) for p in seen} == {(0.5, 0.8)}
+    for flag in (["--temperature", "0.5"], ["--top-p", "0.8"]):
+        assert main(["bench", "throughput", "--backend", "hf", "--model", str(model_dir), *WORKLOAD, *flag]) == 2
+        assert "apply to the pagoda backend only" in capsys.readouterr().err
+
+
 def test_llamacpp_backend_says_how_to_install(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed, whatever this machine has

@@ -141,7 +141,8 @@ def test_the_scheduler_bounds_drafts() -> None:
     _start(sched)
     sched.add_request(_request("b", list(range(100, 180))))
     assert [s.draft for s in sched.schedule().seqs] == [[5, 6, 7, 8]] and sched.waiting
-    # a row the verifying call does not take, and the call's rows
+    # a row that several steps a call would not take still gets drafts (Sampler.verify checks any row); the
+    # verifying call's rows bound them
     for rule in ("takes_steps", "max_steps_rows"):
         sched, _ = _scheduler()
         sched.add_request(_request("a", prompt))
@@ -151,7 +152,7 @@ def test_the_scheduler_bounds_drafts() -> None:
         else:
             sched.max_steps_rows = 3  # one row for the token, two for drafts
         drafts = sched.schedule().seqs[0].draft
-        assert drafts == ([] if rule == "takes_steps" else [5, 6]), rule
+        assert drafts == ([5, 6, 7, 8] if rule == "takes_steps" else [5, 6]), rule
     # more sequences in the step than speculative_disable_by_batch_size: none
     sched, _ = _scheduler()
     sched.config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, num_speculative_tokens=4)  # default 1
@@ -197,9 +198,54 @@ def test_greedy_accepts_drafts_while_they_are_the_argmax() -> None:
     best = logits.argmax(1).tolist()
     lps = torch.log_softmax(logits.double(), 1)
     got = sampler.verify(logits, [best[0], best[1], (best[2] + 1) % 50], row)
-    assert [t for t, _ in got] == best[:3]  # two accepted, the third replaced by the argmax
-    assert [lp for _, lp in got] == pytest.approx([float(lps[i, best[i]]) for i in range(3)], abs=1e-6)
-    assert [t for t, _ in sampler.verify(logits, best[:3], row)] == best  # all accepted, and one more
+    assert got.token_ids == best[:3]  # two accepted, the third replaced by the argmax
+    assert got.logprobs == pytest.approx([float(lps[i, best[i]]) for i in range(3)], abs=1e-6)
+    assert got.top_logprobs == [None] * 3
+    assert sampler.verify(logits, best[:3], row).token_ids == best  # all accepted, and one more
+
+
+def _steps_one_by_one(sampler: Sampler, logits: torch.Tensor, drafts: list[int], row: SamplingRow) -> list[tuple]:
+    """What the sampler's own steps give for the rows verify checks: each position sampled alone, the drafts before
+    it among the row's outputs, up to the first that differs from its draft."""
+    out = []
+    for j in range(len(drafts) + 1):
+        at = SamplingRow(row.params, row.uniforms, row.prompt_token_ids, [*row.output_token_ids, *drafts[:j]],
+                         row.eos_token_ids)
+        step = sampler(logits[j: j + 1], [at])
+        out.append((step.token_ids[0], step.logprobs[0], step.top_logprobs[0]))
+        if j == len(drafts) or step.token_ids[0] != drafts[j]:
+            return out
+    return out
+
+
+def test_greedy_rows_with_logprobs_penalties_and_bias_get_the_steps_tokens() -> None:
+    """A greedy row the C++ pass does not take (logprobs, a repetition or frequency penalty, a bias, min_tokens
+    blocking EOS for its first drafts) is checked position by position as its steps would sample it, each seeing
+    the drafts before it as outputs: the same ids, logprobs and top logprobs, bit for bit, wherever the first
+    wrong draft is."""
+    sampler = _sampler()
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(5, 40, generator=g) * 2
+    eos = int(logits[1].argmax())
+    cases = [SamplingParams(temperature=0.0, logprobs=3),
+             SamplingParams(temperature=0.0, repetition_penalty=1.7, logit_bias={7: 2.5}),
+             SamplingParams(temperature=0.0, frequency_penalty=1.3, presence_penalty=0.4, logprobs=1),
+             SamplingParams(temperature=0.0, min_tokens=3)]
+    for params in cases:
+        row = SamplingRow(params, UniformStream(torch.Generator().manual_seed(0)), [3, 9, eos], [9, 21],
+                          frozenset({eos}))
+        oracle = _steps_one_by_one(sampler, logits, [], row)  # the argmax chain: a draft list all accepted
+        drafts: list[int] = []
+        for j in range(4):
+            drafts.append(oracle[j][0])
+            oracle = _steps_one_by_one(sampler, logits, drafts, row)
+        assert [t for t, _, _ in oracle] == drafts + [oracle[-1][0]]
+        for wrong in (0, 2, None):
+            ds = [d if j != wrong else (d + 1) % 40 for j, d in enumerate(drafts)]
+            got = sampler.verify(logits, ds, row)
+            want = _steps_one_by_one(sampler, logits, ds, row)
+            assert list(zip(got.token_ids, got.logprobs, got.top_logprobs, strict=True)) == want, (params, wrong)
+            assert (params.logprobs is None) == all(x is None for x in got.top_logprobs)
 
 
 def test_the_token_probability_pass_matches_torch() -> None:
@@ -229,13 +275,46 @@ def test_random_rows_keep_the_step_distribution() -> None:
         counts = torch.zeros(vocab, dtype=torch.float64)
         accepted = 0
         for _ in range(trials):
-            got = sampler.verify(logits, [draft], row)
-            counts[got[0][0]] += 1
-            accepted += got[0][0] == draft and len(got) == 2  # accepted: one more token from the last row
-            assert len(got) == 2 or got[0][0] != draft  # a rejected draft ends the check there
+            got = sampler.verify(logits, [draft], row).token_ids
+            counts[got[0]] += 1
+            accepted += got[0] == draft and len(got) == 2  # accepted: one more token from the last row
+            assert len(got) == 2 or got[0] != draft  # a rejected draft ends the check there
         freq = counts / trials
         assert torch.all((freq - p).abs() <= 4.5 * (p * (1 - p) / trials).sqrt() + 1e-9), (draft, freq, p)
         assert accepted / trials == pytest.approx(float(p[draft]), abs=4.5 * (0.25 / trials) ** 0.5)
+
+
+@pytest.mark.parametrize("filters", [{"top_k": 3}, {"top_p": 0.7}, {"min_p": 0.2}, {"presence_penalty": 1.5}])
+def test_filtered_random_rows_keep_the_step_distribution(filters: dict) -> None:
+    """The same for random rows with a filter (top-k, top-p, min-p) or a penalty, checked by the torch path: the
+    token is distributed as the filtered distribution of a step of its own, for a likely draft, an unlikely one
+    and one the filter drops (never accepted)."""
+    sampler = _sampler()
+    vocab, temperature, trials = 6, 0.7, 20000
+    logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, -1.5]], dtype=torch.float32).repeat(2, 1)
+    params = SamplingParams(temperature=temperature, seed=1, **filters)
+    # the step's distribution, written out: penalties first, then temperature, then the filter
+    x = logits[0].double().clone()
+    if "presence_penalty" in filters:
+        x[[0, 4]] -= filters["presence_penalty"]  # the row's outputs below
+    p = torch.softmax(x / temperature, 0)
+    if "top_k" in filters:
+        p[p < p.sort(descending=True).values[filters["top_k"] - 1]] = 0
+    if "top_p" in filters:
+        order = p.argsort(descending=True)
+        before = p[order].cumsum(0) - p[order]
+        p[order[before >= filters["top_p"]]] = 0
+    if "min_p" in filters:
+        p[p < filters["min_p"] * p.max()] = 0
+    p /= p.sum()
+    assert p[5] == 0 or "presence_penalty" in filters  # draft 5: one the filters drop
+    for draft in (3, 1, 5):
+        row = SamplingRow(params, UniformStream(torch.Generator().manual_seed(draft)), [], [0, 4], frozenset())
+        counts = torch.zeros(vocab, dtype=torch.float64)
+        for _ in range(trials):
+            counts[sampler.verify(logits, [draft], row).token_ids[0]] += 1
+        freq = counts / trials
+        assert torch.all((freq - p).abs() <= 4.5 * (p * (1 - p) / trials).sqrt() + 1e-9), (draft, freq, p)
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------
@@ -340,6 +419,36 @@ def test_stops_among_accepted_drafts_end_the_request_there(tiny_model: tuple[str
         assert metrics["num_accepted_tokens"] > 0
         if wrong_at < 0:  # all but those past a span cut's change (OneStreamForward.verify), left unchecked
             assert metrics["num_accepted_tokens"] >= 0.8 * metrics["num_draft_tokens"]
+
+
+def test_requests_with_logprobs_penalties_and_bias_get_their_steps_tokens(tiny_model: tuple[str, Path]) -> None:
+    """Greedy requests that ask for logprobs, a penalty, a bias or min_tokens (rows several steps a call would not
+    take, so their drafts are checked position by position) get, one at a time, the same ids, text, cumulative
+    logprobs, top logprobs and finish reasons as without drafts, with drafts accepted; seeded random ones with
+    filters repeat."""
+    arch, folder = tiny_model
+    prompts = _prompts()
+    kinds = [SamplingParams(temperature=0.0, max_tokens=44, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=0.0, max_tokens=44, ignore_eos=True, repetition_penalty=1.05,
+                            logit_bias={5: 0.5}),
+             SamplingParams(temperature=0.0, max_tokens=44, min_tokens=20, frequency_penalty=0.1, logprobs=0)]
+    results, metrics = {}, {}
+    for k in (0, 4):
+        llm = _llm(folder, k)
+        results[k] = [(list(c.token_ids), c.text, c.cumulative_logprob, c.logprobs, c.finish_reason)
+                      for p in prompts for sp in kinds  # each prompt with each kind, one at a time
+                      for r in llm.generate([p], [sp], use_tqdm=False) for c in r.outputs]
+        metrics[k] = llm.engine.get_metrics()
+    assert results[4] == results[0]
+    asked = [r for i, r in enumerate(results[4]) if kinds[i % len(kinds)].logprobs is not None]
+    assert all(r[3] is not None and len(r[3]) == len(r[0]) for r in asked)
+    if arch != "qwen3":  # no one-call forward there: no drafts
+        assert metrics[4]["num_accepted_tokens"] > 0
+    sampled = [SamplingParams(temperature=0.9, seed=3, max_tokens=25, ignore_eos=True, top_p=0.8, logprobs=1),
+               SamplingParams(temperature=0.9, seed=4, max_tokens=25, ignore_eos=True, top_k=5, min_p=0.05)]
+    llm = _llm(folder, 4)
+    first = _run(llm, prompts[:2], sampled)
+    assert _run(llm, prompts[:2], sampled) == first and all(len(r[0]) == 25 for r in first)
 
 
 def test_seeded_random_requests_repeat_with_drafts(tiny_model: tuple[str, Path]) -> None:
