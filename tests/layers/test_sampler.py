@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from pagoda.layers.sampler import (
+    TOP_P_CANDIDATES,
     Sampler,
     SamplingRow,
     UniformStream,
     _apply_top_k,
     _apply_top_k_top_p,
     _inverse_cdf,
+    _sorted_top_k_top_p,
     apply_logit_processing,
     prompt_logprobs,
 )
@@ -131,6 +133,32 @@ def test_top_k_threshold_matches_stable_sort_with_ties() -> None:
     sorted_path = _apply_top_k_top_p(logits, top_k, torch.ones(6))
     assert torch.equal(fast, sorted_path)
     assert (fast.isfinite().sum(dim=-1) == top_k).all()
+
+
+@pytest.mark.parametrize("vocab", [50, 1500, 49152])
+def test_top_p_from_candidates_keeps_what_the_full_sort_keeps(vocab: int) -> None:
+    """The nucleus taken from the best TOP_P_CANDIDATES tokens (or, where that is not certain, from the full sort)
+    keeps the tokens the full sort keeps, with their logits: peaked and flat rows (whose nucleus is past the
+    candidates), ties everywhere, -inf entries, top-k inside, past and off the candidates. Only a token whose mass
+    before it is within float32's rounding of top_p may go either way (the softmax's sum runs in another order)."""
+    g = torch.Generator().manual_seed(vocab)
+    top_k = torch.tensor([vocab, 5, 2000, vocab, TOP_P_CANDIDATES, vocab])
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.999, 0.8, 0.3])
+    for scale in (8.0, 3.0, 0.3, 0.0):
+        logits = torch.randn(6, vocab, generator=g) * scale
+        if scale == 0.0:  # ties everywhere
+            logits = torch.randint(0, 5, (6, vocab), generator=g).float()
+        logits[1, ::3] = float("-inf")
+        fast, full = _apply_top_k_top_p(logits, top_k, top_p), _sorted_top_k_top_p(logits, top_k, top_p)
+        assert torch.equal(fast[fast.isfinite()], logits[fast.isfinite()])
+        for i in range(6):
+            differ = (fast[i].isfinite() != full[i].isfinite()).nonzero().squeeze(1)
+            if differ.numel():
+                x, ids = logits[i].double().sort(descending=True, stable=True)
+                x[int(top_k[i]):] = float("-inf")
+                probs = x.softmax(0)
+                before = dict(zip(ids.tolist(), (probs.cumsum(0) - probs).tolist(), strict=True))
+                assert all(abs(before[t] - float(top_p[i])) < 1e-5 for t in differ.tolist()), (scale, i)
 
 
 def test_tiny_top_p_keeps_only_the_top_token() -> None:
