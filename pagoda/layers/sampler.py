@@ -81,6 +81,11 @@ class SamplerOutput:
     # when params.logprobs is not None: the chosen token and the top-N raw logprobs; else None
     top_logprobs: list[dict[int, float] | None]
 
+    def append(self, token_id: int, logprob: float, top: dict[int, float] | None = None) -> None:
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        self.top_logprobs.append(top)
+
 
 def _needs_logit_processing(p: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a row with these params and output tokens so far has any bias, min_tokens block or penalty to apply
@@ -165,7 +170,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     the candidates cut. Other rows (and rows whose top_k falls past the candidates but inside the vocabulary) take
     the full sort (_sorted_top_k_top_p). The two agree but for the last bits of the softmax's sum, which is taken in
     another order (tests/layers/test_sampler.py compares them)."""
-    r, vocab = logits.shape
+    vocab = logits.shape[-1]
     m = min(TOP_P_CANDIDATES, vocab)
     if m == vocab:
         return _sorted_top_k_top_p(logits, top_k, top_p)
@@ -178,9 +183,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     ranks = torch.arange(m, device=logits.device)
     all_kept = k >= vocab  # (r, 1): top-k off, so the softmax's sum runs over the whole row
     top = vals[:, :1]
-    total = torch.where(all_kept, (logits - top).exp().sum(dim=-1, keepdim=True),
-                        (vals - top).exp().masked_fill(ranks >= k, 0.0).sum(dim=-1, keepdim=True))
-    probs = (vals - top).exp().masked_fill(ranks >= k, 0.0) / total
+    weights = (vals - top).exp().masked_fill(ranks >= k, 0.0)
+    total = torch.where(all_kept, (logits - top).exp().sum(dim=-1, keepdim=True), weights.sum(dim=-1, keepdim=True))
+    probs = weights / total
     cdf = probs.cumsum(dim=-1)
     keep = (ranks < k) & (cdf - probs < top_p.unsqueeze(1))
     cut_tie = (logits >= vals[:, -1:]).sum(dim=-1, keepdim=True) > m  # tokens equal to the last candidate left out
@@ -479,21 +484,15 @@ class Sampler:
             self.lib.pagoda_token_prob(x.data_ptr(), vocab, row.params.temperature, d, _address(prob))
             p_d, lse = prob
             if row.uniforms.next() < p_d:
-                out.token_ids.append(d)
-                out.logprobs.append(float(x[d]) - lse)
-                out.top_logprobs.append(None)
+                out.append(d, float(x[d]) - lse)
                 continue
             rest = logits[j: j + 1].clone()
             rest[0, d] = -float("inf")
             t = self._sample_plain(rest, [row], [0])[0][0]
-            out.token_ids.append(t)
-            out.logprobs.append(float(x[t]) - lse)
-            out.top_logprobs.append(None)
+            out.append(t, float(x[t]) - lse)
             return out
         ids, lps = self._sample_plain(logits[n: n + 1], [row], [0])
-        out.token_ids.append(ids[0])
-        out.logprobs.append(lps[0])
-        out.top_logprobs.append(None)
+        out.append(ids[0], lps[0])
         return out
 
     def _verify_processed(self, logits: torch.Tensor, drafts: list[int], row: SamplingRow) -> SamplerOutput:
@@ -521,9 +520,7 @@ class Sampler:
                 ids = torch.tensor([t], dtype=torch.long, device=x.device)
                 logprob = float(x.gather(1, ids.unsqueeze(1)).squeeze(1) - x.logsumexp(dim=-1))
                 top = _top_logprobs(x, [t], [at])[0]
-            out.token_ids.append(t)
-            out.logprobs.append(logprob)
-            out.top_logprobs.append(top)
+            out.append(t, logprob, top)
             if t != d:
                 break
         return out
