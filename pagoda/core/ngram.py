@@ -36,7 +36,7 @@ class NgramProposer:
     rewrites, K = 4, Zen 4, the tokens/s without drafts as 1 (BENCHMARKS.md): with q4_1, where a row costs most,
     greedy 1.36-1.52x against 1.26-1.27x for K drafts always, temperature 1 1.01-1.04x against 0.79-0.97x; with
     q8_0 and bfloat16 it loses a little of greedy's gain (1.49-1.68x against 1.56-1.77x) and wins more where few
-    drafts are kept (temperature 1: 1.11-1.24x in three of four rounds against 0.92-1.13x); with float32 weights,
+    drafts are kept (temperature 1: 1.11-1.24x in five rounds of six against 0.92-1.13x); with float32 weights,
     whose step the weights' read bounds, a row costs least and it loses much of greedy's gain (1.35-1.87x against
     1.75-2.21x) for nothing clear at temperature 1 (0.95x and 1.25x against 0.93x and 1.10x). So LLMEngine makes
     it adaptive for every format but float32."""
