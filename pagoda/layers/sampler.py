@@ -152,10 +152,11 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
-# Candidates the top-k / top-p filter first takes from a partial top-k (_apply_top_k_top_p): a full sort of a
-# 49,152-token row took 4.3 ms, a top-k of 1,024 0.17 ms (Zen 4, BENCHMARKS.md), and a nucleus of 0.9 over a trained
-# model's logits is usually far smaller.
-TOP_P_CANDIDATES = 1024
+# Candidates the top-k / top-p filter takes from a partial top-k before it sorts a whole row (_apply_top_k_top_p):
+# 64, then 1,024 for the rows whose nucleus is not certain among 64. A full sort of a 49,152-token row took 4.3 ms, a
+# top-k of 1,024 0.17 ms; for 128 rows, top-k of 64 7.7 ms against 30 for 1,024 (Zen 4, BENCHMARKS.md); a nucleus of
+# 0.9 over a trained model's logits is usually far smaller.
+TOP_P_CANDIDATES = (64, 1024)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -163,17 +164,35 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     computed on the renormalised top-k distribution (as vLLM does). top_k >= vocab disables top-k; top_p == 1
     disables top-p.
 
-    The nucleus is looked for among each row's TOP_P_CANDIDATES best tokens, in the order a stable descending sort
-    gives them (tied logits by id), with the softmax's sum over all the tokens top-k keeps; a row is done there
-    where that is certain: its top_k within the candidates, or the candidates' mass already top_p (every later
-    token then has at least that much before it, so is dropped) and no tie at the candidates' last logit that
-    the candidates cut. Other rows (and rows whose top_k falls past the candidates but inside the vocabulary) take
-    the full sort (_sorted_top_k_top_p). The two agree but for the last bits of the softmax's sum, which is taken in
-    another order (tests/layers/test_sampler.py compares them)."""
-    vocab = logits.shape[-1]
-    m = min(TOP_P_CANDIDATES, vocab)
-    if m == vocab:
+    The nucleus is looked for among each row's best TOP_P_CANDIDATES[0] tokens, then, for the rows where it is not
+    certain there, among their best TOP_P_CANDIDATES[1] (_from_candidates); the rows left take the full sort
+    (_sorted_top_k_top_p). The two agree but for the last bits of the softmax's sum, which is taken in another order
+    (tests/layers/test_sampler.py compares them)."""
+    levels = [m for m in TOP_P_CANDIDATES if m < logits.shape[-1]]
+    if not levels:
         return _sorted_top_k_top_p(logits, top_k, top_p)
+    out, done = _from_candidates(logits, top_k, top_p, levels[0])
+    rows = (~done).nonzero().squeeze(1)  # the rows not done yet
+    for m in levels[1:]:
+        if not rows.numel():
+            return out
+        got, done = _from_candidates(logits[rows], top_k[rows], top_p[rows], m)
+        out[rows[done]] = got[done]
+        rows = rows[~done]
+    if rows.numel():
+        out[rows] = _sorted_top_k_top_p(logits[rows], top_k[rows], top_p[rows])
+    return out
+
+
+def _from_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """_apply_top_k_top_p's rows filtered from their m best tokens, in the order a stable descending sort gives them
+    (tied logits by id), with the softmax's sum over all the tokens top-k keeps; and (r,) where that is certain:
+    the row's top_k within the candidates, or the candidates' mass already top_p (every later token then has at
+    least that much before it, so is dropped), and no tie at the candidates' last logit that the candidates cut
+    (which tied ids topk took is not set). Rows whose top_k falls past the candidates but inside the vocabulary are
+    not done either."""
+    vocab = logits.shape[-1]
     vals, ids = logits.topk(m, dim=-1)  # best first; ties in no set order
     by_id = ids.argsort(dim=-1)
     vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
@@ -191,10 +210,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     cut_tie = (logits >= vals[:, -1:]).sum(dim=-1, keepdim=True) > m  # tokens equal to the last candidate left out
     done = ((k <= m) | (all_kept & (cdf[:, -1:] >= top_p.unsqueeze(1)))) & ~cut_tie
     out = torch.full_like(logits, float("-inf")).scatter_(1, ids, vals.masked_fill(~keep, float("-inf")))
-    rest = (~done.squeeze(1)).nonzero().squeeze(1)
-    if rest.numel():
-        out[rest] = _sorted_top_k_top_p(logits[rest], top_k[rest], top_p[rest])
-    return out
+    return out, done.squeeze(1)
 
 
 def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -137,12 +137,13 @@ def test_top_k_threshold_matches_stable_sort_with_ties() -> None:
 
 @pytest.mark.parametrize("vocab", [50, 1500, 49152])
 def test_top_p_from_candidates_keeps_what_the_full_sort_keeps(vocab: int) -> None:
-    """The nucleus taken from the best TOP_P_CANDIDATES tokens (or, where that is not certain, from the full sort)
-    keeps the tokens the full sort keeps, with their logits: peaked and flat rows (whose nucleus is past the
-    candidates), ties everywhere, -inf entries, top-k inside, past and off the candidates. Only a token whose mass
-    before it is within float32's rounding of top_p may go either way (the softmax's sum runs in another order)."""
+    """The nucleus taken from each row's best TOP_P_CANDIDATES tokens (or, where that is not certain, from the full
+    sort) keeps the tokens the full sort keeps, with their logits: peaked rows, rows whose nucleus is past the first
+    candidates or past all of them, ties everywhere, -inf entries, top-k inside, past and off the candidates. Only a
+    token whose mass before it is within float32's rounding of top_p may go either way (the softmax's sum runs in
+    another order)."""
     g = torch.Generator().manual_seed(vocab)
-    top_k = torch.tensor([vocab, 5, 2000, vocab, TOP_P_CANDIDATES, vocab])
+    top_k = torch.tensor([vocab, 5, 2000, vocab, TOP_P_CANDIDATES[-1], TOP_P_CANDIDATES[0] + 1])
     top_p = torch.tensor([0.9, 0.5, 0.95, 0.999, 0.8, 0.3])
     for scale in (8.0, 3.0, 0.3, 0.0):
         logits = torch.randn(6, vocab, generator=g) * scale
