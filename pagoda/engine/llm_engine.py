@@ -229,8 +229,7 @@ class LLMEngine:
             sched.max_decode_steps = 1
             sched.proposer = None
             return
-        vocab = self.model.lm_head.out_features
-        sched.takes_steps = lambda req: takes_steps(req.params, req.num_output_tokens, vocab)
+        sched.takes_steps = lambda req: takes_steps(req.params, req.num_output_tokens)
         sched.max_steps_rows = one_call.steps_rows
         if sched.proposer is not None:  # all but float32 weights, whose rows cost least (NgramProposer's figures)
             sched.proposer.adaptive = config.model.quantization != "none" or config.model.torch_dtype != torch.float32

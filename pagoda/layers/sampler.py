@@ -16,10 +16,10 @@ Order of processing for each row (as vLLM does it):
 Returned logprobs are those of the raw model distribution (log_softmax of the logits as given,
 before bias, penalties and temperature), as vLLM reports them by default.
 
-Plain rows (greedy, or random with a temperature and no filter, bias or penalty) can run in one C++ pass
-instead (`sampler.cpp`, once `Sampler.enable_fused` built it): same semantics, its own float32 rounding
-(the source's header says what that changes). Which path a row takes depends on the row alone, so a seed
-still gives the same tokens whatever else is in the batch.
+Rows without bias, penalty or min_tokens block (greedy, or random with a temperature and any of top-k, top-p
+and min-p) can run in one C++ pass instead (`sampler.cpp`, once `Sampler.enable_fused` built it): same semantics,
+its own float32 rounding (the source's header says what that changes). Which path a row takes depends on the
+row alone, so a seed still gives the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -378,24 +378,29 @@ _SOURCE = Path(__file__).with_name("sampler.cpp")
 def _library() -> Any:
     lib = load_library(_SOURCE, {"CHUNK": _CDF_CHUNK})
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.pagoda_sample_plain.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
-    lib.pagoda_sample_plain.restype = None
+    lib.pagoda_sample.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.pagoda_sample.restype = None
     lib.pagoda_token_prob.argtypes = [ptr, i64, ctypes.c_float, i64, ptr]
     lib.pagoda_token_prob.restype = None
     return lib
 
 
-def _plain(p: SamplingParams, num_output_tokens: int, vocab: int) -> bool:
-    """Greedy, or random with no filter; and no bias, min_tokens block or penalty this step."""
-    return not _needs_logit_processing(p, num_output_tokens) and (
-        p.greedy or (p.top_p == 1.0 and not 0 < p.top_k < vocab and p.min_p == 0.0))
+def _fused(p: SamplingParams, num_output_tokens: int) -> bool:
+    """A row the C++ pass samples: no bias, min_tokens block or penalty this step (greedy or random, filtered or
+    not)."""
+    return not _needs_logit_processing(p, num_output_tokens)
 
 
-def takes_steps(params: SamplingParams, num_output_tokens: int, vocab: int) -> bool:
-    """Whether a request's row is one that several decode steps in one call sample (Sampler.plain_steps): plain
-    now, so in every later step too (a min_tokens block only ends as tokens are added), and without logprobs.
-    The scheduler asks it before it plans such a call (LLMEngine sets Scheduler.takes_steps)."""
-    return params.logprobs is None and _plain(params, num_output_tokens, vocab)
+def _filtered(p: SamplingParams, vocab: int) -> bool:
+    """A random row with top-k, top-p or min-p."""
+    return not p.greedy and (p.top_p < 1.0 or 0 < p.top_k < vocab or p.min_p > 0.0)
+
+
+def takes_steps(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a request's row is one that several decode steps in one call sample (Sampler.fused_steps): one the
+    C++ pass samples now, so in every later step too (a min_tokens block only ends as tokens are added), and
+    without logprobs. The scheduler asks it before it plans such a call (LLMEngine sets Scheduler.takes_steps)."""
+    return params.logprobs is None and _fused(params, num_output_tokens)
 
 
 class Sampler:
@@ -405,7 +410,7 @@ class Sampler:
         self.lib: Any = None  # sampler.cpp, once enable_fused built it
 
     def enable_fused(self) -> float:
-        """Build (or load from the cache) the C++ pass for plain rows; its seconds. If building fails
+        """Build (or load from the cache) the C++ pass (rows without bias or penalty); its seconds. If building fails
         (logged), every row keeps the torch path."""
         start = time.perf_counter()
         try:
@@ -430,9 +435,9 @@ class Sampler:
         token_ids, logprobs = [0] * n, [0.0] * n
         fused = []
         if self.lib is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
-            fused = [i for i, r in enumerate(rows) if _plain(r.params, len(r.output_token_ids), vocab)]
+            fused = [i for i, r in enumerate(rows) if _fused(r.params, len(r.output_token_ids))]
         if fused:
-            ids, lps = self._sample_plain(logits, rows, fused)
+            ids, lps = self._sample_fused(logits, [rows[i] for i in fused], fused)
             for j, i in enumerate(fused):
                 token_ids[i], logprobs[i] = ids[j], lps[j]
         taken = set(fused)
@@ -445,27 +450,26 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs,
                              top_logprobs=_top_logprobs(logits, token_ids, rows))
 
-    def plain_steps(self, rows: list[SamplingRow], vocab: int,
+    def fused_steps(self, rows: list[SamplingRow], vocab: int,
                     steps: int) -> tuple[Callable[[int, torch.Tensor, int], None], array] | None:
         """For several decode steps in one call (OneStreamForward.decode_steps): a function that samples step s's
         logits (len(rows), vocab; float32) into token ids (int64) at an address, as __call__ samples these rows in
         a step of their own (the same C++ pass and arguments, each random row's draw taken from its stream at each
         step), and the array it writes their raw logprobs to (steps x rows, float64). None where the pass is not
         built or a row is not one they take (takes_steps)."""
-        if self.lib is None or not all(takes_steps(r.params, len(r.output_token_ids), vocab) for r in rows):
+        if self.lib is None or not all(takes_steps(r.params, len(r.output_token_ids)) for r in rows):
             return None
         n = len(rows)
-        picks, temps = array("q", range(n)), array("f", [r.params.temperature for r in rows])
-        u, logprobs = array("d", bytes(8 * n)), array("d", bytes(8 * n * steps))
-        work = array("d", bytes(8 * n * -(-vocab // _CDF_CHUNK)))
+        args = _PassArrays(rows, range(n), vocab)
+        logprobs = array("d", bytes(8 * n * steps))
         draws = [(i, r.uniforms) for i, r in enumerate(rows) if not r.params.greedy]
         lib = self.lib
 
         def sample(step: int, logits: torch.Tensor, ids: int) -> None:
             for i, stream in draws:
-                u[i] = stream.next()
-            lib.pagoda_sample_plain(logits.data_ptr(), _address(picks), n, vocab, logits.stride(0), _address(temps),
-                                    _address(u), ids, _address(logprobs) + 8 * n * step, _address(work))
+                args.u[i] = stream.next()
+            lib.pagoda_sample(logits.data_ptr(), *args.ahead(logits), ids, _address(logprobs) + 8 * n * step,
+                              args.work_address)
 
         return sample, logprobs
 
@@ -482,13 +486,14 @@ class Sampler:
           p(t): the distribution of a step of its own (the draws differ, so the tokens of a seeded request do too).
         Where every draft is accepted, the last row gives one more token as a step would. Each position sees the
         drafts before it among the row's outputs (penalties, min_tokens). Rows that several steps a call take
-        (takes_steps: no logprobs, nothing to process) go through the C++ pass; the others through the torch
-        path's own steps (_verify_processed)."""
+        (takes_steps: no logprobs, nothing to process) and random rows without filters go through the C++ pass; the
+        others through the torch path's own steps (_verify_processed)."""
         n, vocab = len(drafts), logits.shape[1]
-        if self.lib is None or not takes_steps(row.params, len(row.output_token_ids), vocab):
+        if (self.lib is None or not takes_steps(row.params, len(row.output_token_ids))
+                or _filtered(row.params, vocab)):
             return self._verify_processed(logits, drafts, row)
         if row.params.greedy:
-            ids, lps = self._sample_plain(logits, [row] * (n + 1), list(range(n + 1)))
+            ids, lps = self._sample_fused(logits, [row] * (n + 1), list(range(n + 1)))
             got = 1 + next((j for j in range(n) if ids[j] != drafts[j]), n)
             return SamplerOutput(ids[:got], lps[:got], [None] * got)
         out = SamplerOutput([], [], [])
@@ -504,10 +509,10 @@ class Sampler:
                 continue
             rest = logits[j: j + 1].clone()
             rest[0, d] = -float("inf")
-            t = self._sample_plain(rest, [row], [0])[0][0]
+            t = self._sample_fused(rest, [row], [0])[0][0]
             out.append(t, float(x[t]) - lse)
             return out
-        ids, lps = self._sample_plain(logits[n: n + 1], [row], [0])
+        ids, lps = self._sample_fused(logits[n: n + 1], [row], [0])
         out.append(ids[0], lps[0])
         return out
 
@@ -541,21 +546,46 @@ class Sampler:
                 break
         return out
 
-    def _sample_plain(self, logits: torch.Tensor, rows: list[SamplingRow],
-                      which: list[int]) -> tuple[list[int], list[float]]:
-        """The C++ pass over rows `which` of logits (float32, on the CPU): their token ids and logprobs."""
+    def _sample_fused(self, logits: torch.Tensor, rows: list[SamplingRow],
+                      which: Sequence[int]) -> tuple[list[int], list[float]]:
+        """The C++ pass over rows `which` of logits (float32, on the CPU), rows[j] the row of logits[which[j]]:
+        their token ids and logprobs."""
         if logits.stride(1) != 1:
             logits = logits.contiguous()
-        n, vocab = len(which), logits.shape[1]
-        picks = array("q", which)
-        temps = array("f", [rows[i].params.temperature for i in which])
+        args = _PassArrays(rows, which, logits.shape[1])
         # one draw per random row from its own generator, as the torch path draws it (greedy rows draw none)
-        u = array("d", [0.0 if rows[i].params.greedy else rows[i].uniforms.next() for i in which])
+        for j, row in enumerate(rows):
+            if not row.params.greedy:
+                args.u[j] = row.uniforms.next()
+        n = len(rows)
         ids, lps = array("q", bytes(8 * n)), array("d", bytes(8 * n))
-        work = array("d", bytes(8 * n * -(-vocab // _CDF_CHUNK)))
-        self.lib.pagoda_sample_plain(logits.data_ptr(), _address(picks), n, vocab, logits.stride(0),
-                                     _address(temps), _address(u), _address(ids), _address(lps), _address(work))
+        self.lib.pagoda_sample(logits.data_ptr(), *args.ahead(logits), _address(ids), _address(lps),
+                               args.work_address)
         return ids.tolist(), lps.tolist()
+
+
+class _PassArrays:
+    """The C++ pass's arguments for rows (rows[j] at logits row which[j]) other than the logits and the outputs:
+    which rows, temperatures, filters (top_k, top_p, min_p: the vocabulary, 1 and 0 where a row has none; null
+    pointers where no row has any), each random row's draw (u, set by the caller) and the work space."""
+
+    def __init__(self, rows: Sequence[SamplingRow], which: Sequence[int], vocab: int) -> None:
+        n = len(rows)
+        self.vocab = vocab
+        self.picks, self.temps = array("q", which), array("f", [r.params.temperature for r in rows])
+        self.filters: tuple[array, array, array] | None = None
+        if any(_filtered(r.params, vocab) for r in rows):
+            self.filters = (array("q", [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]),
+                            array("f", [r.params.top_p for r in rows]), array("f", [r.params.min_p for r in rows]))
+        self.u = array("d", bytes(8 * n))
+        self.work = array("d", bytes(8 * n * -(-vocab // _CDF_CHUNK)))
+        self.work_address = _address(self.work)
+
+    def ahead(self, logits: torch.Tensor) -> tuple[int | None, ...]:
+        """pagoda_sample's arguments between the logits and the outputs."""
+        filters = [_address(a) for a in self.filters] if self.filters else [None, None, None]
+        return (_address(self.picks), len(self.picks), self.vocab, logits.stride(0), _address(self.temps), *filters,
+                _address(self.u))
 
 
 def _address(values: array) -> int:

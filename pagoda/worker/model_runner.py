@@ -72,19 +72,19 @@ class ModelRunner:
 
     def _decode_steps(self, sched: SchedulerOutput, inputs: StepInputs) -> ModelRunnerOutput | None:
         """sched.num_steps decode steps in one call of the one-call forward, each sampled in it as a step of its own
-        samples (Sampler.plain_steps): the same tokens as steps taken one by one. None (nothing run, nothing drawn)
-        where that forward does not take the step, a row is not plain or asks for logprobs: the step then runs
-        alone, its later blocks filled by the next steps."""
+        samples (Sampler.fused_steps): the same tokens as steps taken one by one. None (nothing run, nothing drawn)
+        where that forward does not take the step, a row is not one the sampler's C++ pass takes or asks for
+        logprobs: the step then runs alone, its later blocks filled by the next steps."""
         one_call = self.model.one_stream_forward
         if one_call is None or not one_call.applies(inputs.meta) or len(inputs.sample_seqs) != len(sched.seqs):
             return None
-        plain = self.sampler.plain_steps([_row(s) for s in sched.seqs], self.model.lm_head.out_features,
+        fused = self.sampler.fused_steps([_row(s) for s in sched.seqs], self.model.lm_head.out_features,
                                          sched.num_steps)
-        if plain is None:
+        if fused is None:
             return None
-        sample, logprobs = plain
+        sample, logprobs = fused
         b = len(sched.seqs)
-        # the tokens that stop each row (plain rows have no min_tokens left to wait for), and the rows not stopped
+        # the tokens that stop each row (these rows have no min_tokens left to wait for), and the rows not stopped
         stops = [s.request.stop_tokens for s in sched.seqs]
         running = set(range(b))
 

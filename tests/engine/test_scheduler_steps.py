@@ -45,14 +45,16 @@ def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> li
 @pytest.mark.parametrize("together", [False, True])
 def test_several_steps_a_call_give_the_tokens_of_single_steps(tiny_model: tuple[str, Path], weights: str,
                                                               together: bool) -> None:
-    """Greedy and seeded random requests, one at a time (one stream) or all at once (decode steps of several rows),
-    with max_tokens that are not multiples of the steps a call: token ids, text, logprobs and finish reasons the
-    same, exactly, in fewer engine steps where the one-call forward takes the steps (not the tiny qwen3: its per-head
-    q/k norms keep the eager forward, and every step runs alone)."""
+    """Greedy and seeded random requests (without filters, with top-p, with top-k and min-p), one at a time (one
+    stream) or all at once (decode steps of several rows), with max_tokens that are not multiples of the steps a
+    call: token ids, text, logprobs and finish reasons the same, exactly, in fewer engine steps where the one-call
+    forward takes the steps (not the tiny qwen3: its per-head q/k norms keep the eager forward, and every step runs
+    alone)."""
     arch, folder = tiny_model
-    prompts = _prompts()
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=13 + 5 * i, ignore_eos=True)
-              for i in range(len(prompts))]
+    prompts = _prompts(6)
+    filters: list[dict] = [{}, dict(top_p=0.8), dict(top_k=20, min_p=0.05)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=13 + 5 * i, ignore_eos=True,
+                             **filters[i // 2]) for i in range(len(prompts))]
     results, steps = {}, {}
     for n in (1, 4):
         llm = _llm(folder, n, weights)
@@ -190,17 +192,17 @@ def test_the_scheduler_plans_several_steps_only_for_rows_the_call_takes() -> Non
 
 
 def test_takes_steps_is_the_sampler_rule() -> None:
-    """The rows the scheduler plans several steps for are the rows the sampler's several-step pass takes."""
-    vocab = 100
-    assert takes_steps(SamplingParams(temperature=0.0), 0, vocab)
-    assert takes_steps(SamplingParams(temperature=0.8, seed=1), 0, vocab)
-    assert takes_steps(SamplingParams(temperature=0.8, top_k=vocab), 0, vocab)  # top_k of the whole vocabulary
-    assert takes_steps(SamplingParams(temperature=0.8, min_tokens=3), 3, vocab)  # the min_tokens block has ended
-    for params, outputs in [(SamplingParams(logprobs=1), 0), (SamplingParams(temperature=0.8, top_p=0.9), 0),
-                            (SamplingParams(temperature=0.8, top_k=5), 0), (SamplingParams(min_p=0.1), 0),
+    """The rows the scheduler plans several steps for are the rows the sampler's several-step pass takes: greedy or
+    random, filtered or not, without logprobs, bias, penalty or min_tokens block."""
+    assert takes_steps(SamplingParams(temperature=0.0), 0)
+    assert takes_steps(SamplingParams(temperature=0.8, seed=1), 0)
+    assert takes_steps(SamplingParams(temperature=0.8, min_tokens=3), 3)  # the min_tokens block has ended
+    for filters in [dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(top_k=5, top_p=0.5, min_p=0.2)]:
+        assert takes_steps(SamplingParams(temperature=0.8, **filters), 0), filters
+    for params, outputs in [(SamplingParams(logprobs=1), 0),
                             (SamplingParams(repetition_penalty=1.1), 0), (SamplingParams(presence_penalty=0.5), 0),
                             (SamplingParams(logit_bias={3: 1.0}), 0), (SamplingParams(min_tokens=3), 2)]:
-        assert not takes_steps(params, outputs, vocab), params
+        assert not takes_steps(params, outputs), params
 
 
 def _count_planned_steps(sched: Scheduler) -> list[int]:

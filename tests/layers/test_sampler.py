@@ -28,8 +28,8 @@ VOCAB = 50
 
 @pytest.fixture(params=["torch", "fused"], autouse=True)
 def sampler_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs twice: with the torch code only, and with the C++ pass taking the plain rows (greedy,
-    or random without filter, bias or penalty) of every Sampler() it makes."""
+    """Every test runs twice: with the torch code only, and with the C++ pass taking the rows without bias,
+    penalty or min_tokens block (greedy, or random with or without filters) of every Sampler() it makes."""
     if request.param == "fused":
         init = Sampler.__init__
 
@@ -272,7 +272,7 @@ def test_prompt_logprobs() -> None:
 
 def _expected(probs: list[float], **params: Any) -> list[float]:
     """Reference distribution after temperature, then top_k, then top_p on the renormalised
-    top-k distribution (as vLLM does), in plain float64 Python."""
+    top-k distribution (as vLLM does), then min_p, in plain float64 Python."""
     p = [x ** (1.0 / params.get("temperature", 1.0)) for x in probs]
     order = sorted(range(len(p)), key=lambda t: -p[t])  # best first
     top_k = params.get("top_k", len(p))
@@ -284,6 +284,7 @@ def _expected(probs: list[float], **params: Any) -> list[float]:
             mass, p[t] = mass + p[t], 0.0
         else:
             mass += p[t]
+    p = [x if x >= params.get("min_p", 0.0) * max(p) else 0.0 for x in p]
     return [x / sum(p) for x in p]
 
 
@@ -296,6 +297,8 @@ def _expected(probs: list[float], **params: Any) -> list[float]:
         dict(temperature=1.0, top_p=0.75),
         dict(temperature=2.0, top_k=3, top_p=0.9),
         dict(temperature=1.0, top_k=3, top_p=0.75),  # keeps {2, 3} only: top-p sees the top-k renormalised
+        dict(temperature=1.0, min_p=0.6),  # keeps {2, 3}
+        dict(temperature=0.5, top_p=0.95, min_p=0.3),  # top-p keeps {1, 2, 3}, min-p then {2, 3}
     ],
 )
 def test_sampling_frequencies_match_distribution(params: dict[str, Any]) -> None:
@@ -361,7 +364,7 @@ def _fused_sampler() -> Sampler:
     return sampler
 
 
-def test_plain_rows_take_the_fused_pass_and_others_the_torch_code(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rows_without_processing_take_the_fused_pass_and_others_the_torch_code(monkeypatch: pytest.MonkeyPatch) -> None:
     import pagoda.layers.sampler as sampler_module
 
     sampler, seen = _fused_sampler(), []
@@ -369,12 +372,13 @@ def test_plain_rows_take_the_fused_pass_and_others_the_torch_code(monkeypatch: p
     monkeypatch.setattr(sampler_module, "_sample_torch",
                         lambda lo, rows: seen.append(len(rows)) or torch_path(lo, rows))
     rows = [_row(temperature=0.0), _row(temperature=0.7, seed=1), _row(temperature=1.0, top_k=3, seed=2),
-            _row(temperature=0.0, logit_bias={1: 1.0}), _row(temperature=1.0, top_k=VOCAB, seed=3)]
-    sampler(_logits(5), rows)
-    assert seen == [2]  # top_k 3 and the logit bias; top_k == vocab is no filter
+            _row(temperature=0.0, logit_bias={1: 1.0}), _row(temperature=1.0, top_k=VOCAB, seed=3),
+            _row(temperature=1.0, repetition_penalty=1.2, top_p=0.5)]
+    sampler(_logits(6), rows)
+    assert seen == [2]  # the logit bias and the penalty; filters are the C++ pass's
     seen.clear()
-    sampler(_logits(5).double(), rows)  # float64 logits: the torch code for every row
-    assert seen == [5]
+    sampler(_logits(6).double(), rows)  # float64 logits: the torch code for every row
+    assert seen == [6]
 
 
 def test_fused_pass_agrees_with_the_torch_code() -> None:
@@ -391,6 +395,55 @@ def test_fused_pass_agrees_with_the_torch_code() -> None:
         assert not 100 <= fused_out.token_ids[5] < 2000
     greedy = _fused_sampler()(logits, [_row(temperature=0.0) for _ in range(64)]).token_ids
     assert greedy == logits.argmax(dim=-1).tolist()
+
+
+FILTERS = [dict(top_p=0.9), dict(top_p=0.3), dict(top_k=5), dict(top_k=40, top_p=0.8), dict(min_p=0.1),
+           dict(min_p=0.01, top_p=0.95), dict(top_k=2000), dict(min_p=0.5, top_k=3), dict(top_k=1)]
+
+
+@pytest.mark.parametrize("vocab, scale", [(50, 3.0), (1003, 1.0), (3000, 4.0), (49152, 12.0)])
+def test_fused_filters_agree_with_the_torch_code(vocab: int, scale: float) -> None:
+    """Top-k, top-p and min-p in the C++ pass: the tokens the torch code draws with the same draws, and its
+    logprobs (a difference needs a draw within rounding of a boundary between two tokens, or a token within
+    rounding of a filter's threshold; none falls there with these seeds). The rows: peaked (a trained model's,
+    scale 12: the nucleus within the first candidates' level), flat (scale 1: past every level), a vocabulary that
+    is not whole vectors, -inf entries."""
+    logits = torch.randn(64, vocab, generator=torch.Generator().manual_seed(vocab)) * scale
+    logits[5, : vocab // 2] = float("-inf")
+    for filters in FILTERS:
+        for t in (0.5, 1.0, 1.5):
+            torch_out = _sample_torch_only(logits, [_row(temperature=t, seed=s, **filters) for s in range(64)])
+            fused_out = _fused_sampler()(logits, [_row(temperature=t, seed=s, **filters) for s in range(64)])
+            assert fused_out.token_ids == torch_out.token_ids, (filters, t)
+            assert fused_out.logprobs == pytest.approx(torch_out.logprobs, abs=1e-5)
+            assert fused_out.token_ids[5] >= vocab // 2
+
+
+def test_fused_filters_break_ties_by_id() -> None:
+    """Logits with many ties: top-k keeps the lowest ids among tokens tied at the k-th value, and top-p ranks
+    tied tokens by id (the torch code's stable sort), so the C++ pass keeps the same sets: the tokens it draws
+    for many draws are those the torch code draws."""
+    logits = torch.randint(0, 4, (8, 40), generator=torch.Generator().manual_seed(0)).float().repeat(50, 1)
+    for filters in [dict(top_k=3), dict(top_k=7), dict(top_p=0.2), dict(top_k=5, top_p=0.5)]:
+        rows = [_row(temperature=1.0, seed=s, **filters) for s in range(400)]
+        torch_ids = _sample_torch_only(logits, rows).token_ids
+        fused_ids = _fused_sampler()(logits, [_row(temperature=1.0, seed=s, **filters) for s in range(400)]).token_ids
+        assert fused_ids == torch_ids, filters
+        if "top_p" not in filters:  # each row's kept set reached
+            for r in range(8):
+                assert len(set(fused_ids[r::8])) == filters["top_k"], (filters, r)
+
+
+def test_fused_filters_on_broken_rows() -> None:
+    """Rows the model broke (NaN, all -inf, NaN entries among finite ones) with filters: tokens stay in the
+    vocabulary (the first maximum where no token has weight) and the engine goes on."""
+    base = torch.randn(4, 1003, generator=torch.Generator().manual_seed(1))
+    base[0] = float("nan")
+    base[1] = float("-inf")
+    base[2, ::3] = float("nan")
+    out = _fused_sampler()(base, [_row(temperature=1.0, seed=i, top_p=0.9, top_k=20, min_p=0.1) for i in range(4)])
+    assert all(0 <= t < 1003 for t in out.token_ids)
+    assert not math.isnan(float(base[2, out.token_ids[2]]))
 
 
 def _sample_torch_only(logits: torch.Tensor, rows: list[SamplingRow]) -> Any:
