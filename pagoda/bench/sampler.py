@@ -1,9 +1,13 @@
-"""Time the sampler on one decode step's logits: random rows at temperature 1 over the default
-model's vocabulary, with the torch code (`sampler_ms`) and with the C++ pass for plain rows that the
-engine enables (`fused_sampler_ms`); and the torch code's inverse-CDF search alone, two-level (what it
-does) against one float64 cumulative sum over the whole vocabulary (what it did before).
+"""Time the sampler on one decode step's logits: random rows (normal logits times --scale) over the default
+model's vocabulary at --temperature, with --top-k, --top-p and --min-p if given, with the torch code
+(`sampler_ms`) and with the C++ pass the engine enables (`fused_sampler_ms`); and the torch code's inverse-CDF
+search alone, two-level (what it does) against one float64 cumulative sum over the whole vocabulary (what it did
+before).
 
-    python -m pagoda.bench.sampler --rows 128 [--keep-freed-memory]
+    python -m pagoda.bench.sampler --rows 128 [--keep-freed-memory] [--temperature 0.7 --top-p 0.9 --scale 3]
+
+Normal logits times 3 at temperature 1 put 0.9 of the mass on ~2,000 of 49,152 tokens (a flatter row than a
+trained model's usually is); times 12, on a few.
 
 --keep-freed-memory applies the engine's glibc setting (pagoda/worker/host_memory.py) first; without
 it glibc keeps its defaults, as in a process that is not an engine. Prints one JSON line: median
@@ -49,12 +53,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--keep-freed-memory", action="store_true")
+    p.add_argument("--scale", type=float, default=3.0, help="the logits' standard deviation")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
     args = p.parse_args(argv)
     kept = keep_freed_memory() if args.keep_freed_memory else False
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(args.rows, args.vocab, generator=g) * 3
-    rows = [SamplingRow(SamplingParams(temperature=1.0), UniformStream(torch.Generator().manual_seed(i)), [1], [],
-                        frozenset())
+    logits = torch.randn(args.rows, args.vocab, generator=g) * args.scale
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    rows = [SamplingRow(params, UniformStream(torch.Generator().manual_seed(i)), [1], [], frozenset())
             for i in range(args.rows)]
     weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
     u = torch.rand(args.rows, dtype=torch.float64, generator=g)
@@ -63,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     sampler, fused = Sampler(), Sampler()
     fused.enable_fused()
     print(json.dumps({
-        "rows": args.rows, "vocab": args.vocab, "keeps_freed_memory": kept,
+        "rows": args.rows, "vocab": args.vocab, "keeps_freed_memory": kept, "scale": args.scale,
+        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
         "sampler_ms": round(_median_ms(lambda: sampler(logits, rows), args.iters), 2),
         "fused_sampler_ms": round(_median_ms(lambda: fused(logits, rows), args.iters), 2) if fused.lib else None,
         "two_level_search_ms": round(_median_ms(lambda: _inverse_cdf(weights, u), args.iters), 2),
