@@ -48,6 +48,14 @@ static inline float row_max(const float* x, int64_t V) {
   return m;
 }
 
+// The first token whose logit is the row's maximum m; 0 where none is (a row of NaN).
+static inline int64_t first_max(const float* x, int64_t V, float m) {
+  for (int64_t j = 0; j < V; ++j) {
+    if (x[j] == m) return j;
+  }
+  return 0;
+}
+
 // Sum of exp((x[i] - m) * inv_t) over [lo, hi): whole vectors, then a scalar tail.
 static inline float weight_sum(const float* x, int64_t lo, int64_t hi, float m, float inv_t) {
   vf acc = {};
@@ -196,35 +204,42 @@ static int64_t nucleus(Candidate* g, int64_t n, double target, bool& closed) {
   return r;
 }
 
-// A filtered random row (t > 0): the token its filters and its draw u give, -1 where no token has weight
-// (a broken row; the caller takes the first maximum). k: top-k (V for none); p: top-p (1 for none); mp: min-p
-// (0 for none). Same semantics as the torch path (pagoda/layers/sampler.py): top-k keeps the first k of the stable
-// order; top-p then keeps each token whose better-ranked tokens hold less than p of the top-k distribution's mass;
-// min-p then drops tokens whose weight is below mp times the top token's; the kept tokens are searched in id order
-// for the first whose cumulative weight exceeds u times theirs. Sums in float64 here, float32 there: a token whose
-// mass before it lies within rounding of p may be kept by one and not the other. g, h: scratch.
-static int64_t sample_filtered(const float* row, int64_t V, float m, float t, int64_t k, float p, float mp, double u,
-                               std::vector<Candidate>& g, std::vector<Candidate>& h) {
+// The tokens a filtered random row (t > 0) keeps: those of g (its candidates, in id order) at or before `last` in
+// the stable order where top-k or top-p cut, and no lighter than `lightest` (min-p).
+struct Kept {
+  bool cut = false;
+  Candidate last = {};
+  float lightest = 0.0f;
+  bool has(const Candidate& c) const { return c.w >= lightest && c.w > 0.0f && (!cut || !before(last, c)); }
+};
+
+// The tokens a filtered random row (t > 0) keeps, with its candidates in g; false where no token has weight (a broken
+// row). k: top-k (V for none); p: top-p (1 for none); mp: min-p (0 for none). Same semantics as the torch path
+// (pagoda/layers/sampler.py): top-k keeps the first k of the stable order; top-p then keeps each token whose
+// better-ranked tokens hold less than p of the top-k distribution's mass; min-p then drops tokens whose weight is
+// below mp times the top token's. Sums in float64 here, float32 there: a token whose mass before it lies within
+// rounding of p may be kept by one and not the other. h: scratch.
+static bool filtered_kept(const float* row, int64_t V, float m, float t, int64_t k, float p, float mp,
+                          std::vector<Candidate>& g, std::vector<Candidate>& h, Kept& out) {
   const float inv_t = 1.0f / t;
   const Levels s = k < V ? level_sums<COUNT>(row, V, m, inv_t)
                    : p < 1.0f ? level_sums<MASS>(row, V, m, inv_t) : level_sums<LEFT>(row, V, m, inv_t);
-  const float lightest = mp * exp_neg(0.0f);  // min-p: the top token's weight is exp(0)
+  out.lightest = mp * exp_neg(0.0f);  // min-p: the top token's weight is exp(0)
   for (int level = 0; level <= LEVELS; ++level) {
     if (level < LEVELS) {
       const bool holds = k < V ? s.of[level] >= double(k)
-                         : p < 1.0f ? s.of[level] >= double(p) * s.total : s.of[level] < lightest;
+                         : p < 1.0f ? s.of[level] >= double(p) * s.total : s.of[level] < out.lightest;
       if (!holds) continue;
     }
     gather(row, V, m, inv_t, level < LEVELS ? -LEVEL[level] : -std::numeric_limits<float>::infinity(), g);
     const int64_t n = int64_t(g.size());
-    if (n == 0) return -1;
+    if (n == 0) return false;
     h.assign(g.begin(), g.end());  // g stays in id order for the draw
     int64_t kept = n;  // top-k's and top-p's count: h[0, kept) after them, h[kept - 1] the last, where they cut
-    bool cut = false;
     if (k < n) {
       std::nth_element(h.begin(), h.begin() + (k - 1), h.end(), before);
       kept = k;
-      cut = true;
+      out.cut = true;
     }
     if (p < 1.0f) {
       double mass = s.total;
@@ -235,27 +250,80 @@ static int64_t sample_filtered(const float* row, int64_t V, float m, float t, in
       bool closed = true;
       kept = nucleus(h.data(), kept, double(p) * mass, closed);
       if (!closed && k >= V && level < LEVELS) continue;  // every candidate kept: the nucleus may reach past them
-      cut = true;
+      out.cut = true;
     }
-    if (kept == 0) return -1;
-    const Candidate last = h[kept - 1];
-    double total = 0.0;
-    for (const Candidate& c : g) {
-      if (c.w >= lightest && c.w > 0.0f && (!cut || !before(last, c))) total += c.w;
-    }
-    const double target = u * total;
-    double acc = 0.0;
-    int64_t chosen = -1;
-    for (const Candidate& c : g) {
-      if (c.w >= lightest && c.w > 0.0f && (!cut || !before(last, c))) {
-        chosen = c.id;
-        acc += c.w;
-        if (acc > target) break;
-      }
-    }
-    return chosen;
+    if (kept == 0) return false;
+    out.last = h[kept - 1];
+    return true;
   }
-  return -1;  // not reached: the last level holds every token
+  return false;  // not reached: the last level holds every token
+}
+
+// The kept token whose cumulative weight, in id order, first exceeds u times theirs, leaving out token `skip`; -1
+// where none has weight.
+static int64_t draw(const std::vector<Candidate>& g, const Kept& kept, double u, int64_t skip = -1) {
+  double total = 0.0;
+  for (const Candidate& c : g) {
+    if (kept.has(c) && c.id != skip) total += c.w;
+  }
+  const double target = u * total;
+  double acc = 0.0;
+  int64_t chosen = -1;
+  for (const Candidate& c : g) {
+    if (kept.has(c) && c.id != skip) {
+      chosen = c.id;
+      acc += c.w;
+      if (acc > target) break;
+    }
+  }
+  return chosen;
+}
+
+// A filtered random row's token for draw u; -1 where no token has weight (the caller takes the first maximum).
+static int64_t sample_filtered(const float* row, int64_t V, float m, float t, int64_t k, float p, float mp, double u,
+                               std::vector<Candidate>& g, std::vector<Candidate>& h) {
+  Kept kept;
+  return filtered_kept(row, V, m, t, k, p, mp, g, h, kept) ? draw(g, kept, u) : -1;
+}
+
+// A plain random row's draw: cdf[c] the cumulative weight (at 1 / inv_t) of the row's chunks 0 .. c of CHUNK tokens,
+// token `skip` left out of them (-1: none). The first token whose cumulative weight exceeds target, else the last
+// with weight in the last chunk that adds any; -1 where no token has weight.
+static int64_t search_chunks(const float* row, int64_t V, float m, float inv_t, const double* cdf, double target,
+                             int64_t skip = -1) {
+  const int64_t chunks = (V + CHUNK - 1) / CHUNK;
+  int64_t c = 0;  // the first chunk whose cumulative weight exceeds the target, else the last step up
+  while (c < chunks && !(cdf[c] > target)) ++c;
+  if (c == chunks) {
+    c = chunks - 1;
+    while (c > 0 && cdf[c - 1] == cdf[c]) --c;
+  }
+  const int64_t lo = c * CHUNK, hi = std::min(V, lo + CHUNK);
+  double acc = c > 0 ? cdf[c - 1] : 0.0;
+  int64_t chosen = -1;
+  for (int64_t j = lo; j < hi; ++j) {  // within it: the first entry past the target, else its last positive
+    const float w = j == skip ? 0.0f : exp_neg((row[j] - m) * inv_t);
+    if (w > 0.0f) chosen = j;
+    acc += w;
+    if (acc > target && w > 0.0f) break;
+  }
+  return chosen;
+}
+
+// The raw row's logsumexp (float64 across chunks) and, for t > 0 and cdf non-null, the cumulative weights at
+// temperature t chunk by chunk into cdf (with t == 1, the same sums).
+static double chunk_sums(const float* row, int64_t V, float m, float t, double* cdf) {
+  double raw = 0.0, total = 0.0;
+  for (int64_t c = 0, lo = 0; lo < V; ++c, lo += CHUNK) {
+    const int64_t hi = std::min(V, lo + CHUNK);
+    const double r = weight_sum(row, lo, hi, m, 1.0f);
+    raw += r;
+    if (cdf != nullptr) {
+      total += t == 1.0f ? r : double(weight_sum(row, lo, hi, m, 1.0f / t));
+      cdf[c] = total;
+    }
+  }
+  return double(m) + std::log(raw);
 }
 
 // x: logits, row r at x + rows[r] * stride, V entries; temps (R,): 0 for greedy; top_k (R,), top_p (R,), min_p
@@ -272,69 +340,61 @@ extern "C" void pagoda_sample(const float* x, const int64_t* rows, int64_t R, in
     const float m = row_max(row, V);
     const float t = temps[r];
     const bool filtered = t > 0.0f && top_k != nullptr && (top_k[r] < V || top_p[r] < 1.0f || min_p[r] > 0.0f);
-    // logsumexp of the raw row, in float64 across chunks; with T == 1, the chunk sums are also a plain row's weights'
-    double* cdf = work + r * chunks;
-    double lse_sum = 0.0, total = 0.0;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t lo = c * CHUNK, hi = std::min(V, lo + CHUNK);
-      const double raw = weight_sum(row, lo, hi, m, 1.0f);
-      lse_sum += raw;
-      if (t > 0.0f && !filtered) {
-        total += t == 1.0f ? raw : double(weight_sum(row, lo, hi, m, 1.0f / t));
-        cdf[c] = total;
-      }
-    }
-    const double lse = double(m) + std::log(lse_sum);
+    double* cdf = t > 0.0f && !filtered ? work + r * chunks : nullptr;
+    const double lse = chunk_sums(row, V, m, t, cdf);
     int64_t chosen = -1;
     if (filtered) {
       static thread_local std::vector<Candidate> candidates, selected;
       chosen = sample_filtered(row, V, m, t, top_k[r], top_p[r], min_p[r], u[r], candidates, selected);
-    } else if (t > 0.0f) {
-      const float inv_t = 1.0f / t;
-      const double target = u[r] * total;
-      int64_t c = 0;  // the first chunk whose cumulative weight exceeds the target, else the last step up
-      while (c < chunks && !(cdf[c] > target)) ++c;
-      if (c == chunks) {
-        c = chunks - 1;
-        while (c > 0 && cdf[c - 1] == cdf[c]) --c;
-      }
-      const int64_t lo = c * CHUNK, hi = std::min(V, lo + CHUNK);
-      double acc = c > 0 ? cdf[c - 1] : 0.0;
-      for (int64_t j = lo; j < hi; ++j) {  // within it: the first entry past the target, else its last positive
-        const float w = exp_neg((row[j] - m) * inv_t);
-        if (w > 0.0f) chosen = j;
-        acc += w;
-        if (acc > target && w > 0.0f) break;
-      }
+    } else if (cdf != nullptr) {
+      chosen = search_chunks(row, V, m, 1.0f / t, cdf, u[r] * cdf[chunks - 1]);
     }
-    if (chosen < 0) {  // greedy, or no positive weight at all (a row of NaN or -inf): the first maximum
-      chosen = 0;
-      for (int64_t j = 0; j < V; ++j) {
-        if (row[j] == m) {
-          chosen = j;
-          break;
-        }
-      }
-    }
+    if (chosen < 0) chosen = first_max(row, V, m);  // greedy, or no token with weight (a row of NaN or -inf)
     ids[r] = chosen;
     logprobs[r] = double(row[chosen]) - lse;
   }
 }
 
-// Speculative decoding's check of a random row's draft token d (pagoda/layers/sampler.py's Sampler.verify): out[0] =
-// p(d) at temperature t > 0, exp((x[d] - max) / t) over the sum of the row's weights (the pass above's weights and
-// chunked float64 sum), and out[1] = the raw row's logsumexp, for the chosen token's logprob. One call in place of
-// torch's softmax and logsumexp over the row (two ops, ~0.1 ms each in a step's Python after the weights' stream).
-extern "C" void pagoda_token_prob(const float* x, int64_t V, float t, int64_t d, double* out) {
+// Speculative decoding's check of a random row's draft token d (Sampler.verify), with one draw u: d where u < p(d),
+// p the row's distribution at temperature t > 0 and its filters (k, p, mp as pagoda_sample takes them), else the
+// token drawn from p without d by u' = (u - p(d)) / (1 - p(d)), which given u >= p(d) is uniform in [0, 1): d with
+// probability p(d), t != d with (1 - p(d)) p(t) / (1 - p(d)) = p(t). The same weights and sums as pagoda_sample.
+// Returns the token and its raw logprob (logprob[0]); a broken row (no token with weight) gives its first maximum.
+extern "C" int64_t pagoda_check_draft(const float* x, int64_t V, float t, int64_t k, float p, float mp, int64_t d,
+                                      double u, double* logprob) {
+  static thread_local std::vector<Candidate> candidates, selected;
+  static thread_local std::vector<double> cdf;
   const float m = row_max(x, V);
-  const float inv_t = 1.0f / t;
-  double raw = 0.0, total = 0.0;
-  for (int64_t lo = 0; lo < V; lo += CHUNK) {
-    const int64_t hi = std::min(V, lo + CHUNK);
-    const double r = weight_sum(x, lo, hi, m, 1.0f);
-    raw += r;
-    total += t == 1.0f ? r : double(weight_sum(x, lo, hi, m, inv_t));
+  const int64_t chunks = (V + CHUNK - 1) / CHUNK;
+  int64_t chosen = -1;
+  double lse;
+  if (k < V || p < 1.0f || mp > 0.0f) {
+    lse = chunk_sums(x, V, m, t, nullptr);
+    Kept kept;
+    if (filtered_kept(x, V, m, t, k, p, mp, candidates, selected, kept)) {
+      double total = 0.0, weight = 0.0;
+      for (const Candidate& c : candidates) {
+        if (kept.has(c)) {
+          total += c.w;
+          if (c.id == d) weight = c.w;
+        }
+      }
+      const double p_d = weight / total;
+      chosen = u < p_d ? d : draw(candidates, kept, (u - p_d) / (1.0 - p_d), d);
+    }
+  } else {
+    cdf.resize(chunks);
+    lse = chunk_sums(x, V, m, t, cdf.data());
+    const float inv_t = 1.0f / t;
+    const double weight = exp_neg((x[d] - m) * inv_t), p_d = weight / cdf[chunks - 1];
+    if (u < p_d) {
+      chosen = d;
+    } else {
+      for (int64_t c = d / CHUNK; c < chunks; ++c) cdf[c] -= weight;
+      chosen = search_chunks(x, V, m, inv_t, cdf.data(), (u - p_d) / (1.0 - p_d) * cdf[chunks - 1], d);
+    }
   }
-  out[0] = double(exp_neg((x[d] - m) * inv_t)) / total;
-  out[1] = double(m) + std::log(raw);
+  if (chosen < 0) chosen = first_max(x, V, m);  // d the only token with weight; or a broken row
+  *logprob = double(x[chosen]) - lse;
+  return chosen;
 }

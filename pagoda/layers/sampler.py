@@ -380,8 +380,9 @@ def _library() -> Any:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_sample.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.pagoda_sample.restype = None
-    lib.pagoda_token_prob.argtypes = [ptr, i64, ctypes.c_float, i64, ptr]
-    lib.pagoda_token_prob.restype = None
+    f32 = ctypes.c_float
+    lib.pagoda_check_draft.argtypes = [ptr, i64, f32, i64, f32, f32, i64, ctypes.c_double, ptr]
+    lib.pagoda_check_draft.restype = i64
     return lib
 
 
@@ -486,11 +487,11 @@ class Sampler:
           p(t): the distribution of a step of its own (the draws differ, so the tokens of a seeded request do too).
         Where every draft is accepted, the last row gives one more token as a step would. Each position sees the
         drafts before it among the row's outputs (penalties, min_tokens). Rows that several steps a call take
-        (takes_steps: no logprobs, nothing to process) and random rows without filters go through the C++ pass; the
-        others through the torch path's own steps (_verify_processed)."""
+        (takes_steps: no logprobs, nothing to process) go through the C++ pass (a filtered random row's check:
+        pagoda_check_draft, which draws once a position); the others through the torch path's own steps
+        (_verify_processed)."""
         n, vocab = len(drafts), logits.shape[1]
-        if (self.lib is None or not takes_steps(row.params, len(row.output_token_ids))
-                or _filtered(row.params, vocab)):
+        if self.lib is None or not takes_steps(row.params, len(row.output_token_ids)):
             return self._verify_processed(logits, drafts, row)
         if row.params.greedy:
             ids, lps = self._sample_fused(logits, [row] * (n + 1), list(range(n + 1)))
@@ -499,19 +500,15 @@ class Sampler:
         out = SamplerOutput([], [], [])
         if logits.stride(1) != 1:
             logits = logits.contiguous()
-        prob = array("d", [0.0, 0.0])
+        logprob = array("d", [0.0])
+        p = row.params
+        top_k = p.top_k if 0 < p.top_k < vocab else vocab
         for j, d in enumerate(drafts):  # one row at a time: most checks end at the first draft
-            x = logits[j]
-            self.lib.pagoda_token_prob(x.data_ptr(), vocab, row.params.temperature, d, _address(prob))
-            p_d, lse = prob
-            if row.uniforms.next() < p_d:
-                out.append(d, float(x[d]) - lse)
-                continue
-            rest = logits[j: j + 1].clone()
-            rest[0, d] = -float("inf")
-            t = self._sample_fused(rest, [row], [0])[0][0]
-            out.append(t, float(x[t]) - lse)
-            return out
+            t = self.lib.pagoda_check_draft(logits[j].data_ptr(), vocab, p.temperature, top_k, p.top_p, p.min_p, d,
+                                            row.uniforms.next(), _address(logprob))
+            out.append(t, logprob[0])
+            if t != d:
+                return out
         ids, lps = self._sample_fused(logits[n: n + 1], [row], [0])
         out.append(ids[0], lps[0])
         return out

@@ -248,19 +248,45 @@ def test_greedy_rows_with_logprobs_penalties_and_bias_get_the_steps_tokens() -> 
             assert (params.logprobs is None) == all(x is None for x in got.top_logprobs)
 
 
-def test_the_token_probability_pass_matches_torch() -> None:
-    """pagoda_token_prob (the random check's p(d) and logsumexp in one pass) against torch's softmax and logsumexp,
-    at temperatures below, at and above 1, over a vocabulary that is not whole chunks."""
+@pytest.mark.parametrize("filters", [{}, {"top_k": 40}, {"top_p": 0.8}, {"min_p": 0.05, "top_p": 0.95}])
+def test_the_draft_check_pass_matches_torch(filters: dict) -> None:
+    """pagoda_check_draft (a random row's check in one pass, one draw u) against the distribution written out in
+    float64 torch: the draft for u just under p(d), else the token the inverse CDF of p without d gives at
+    (u - p(d)) / (1 - p(d)), in id order; the raw logprob. Temperatures below, at and above 1, a vocabulary that is
+    not whole chunks, a -inf entry, a draft the filters drop."""
     sampler = _sampler()
-    x = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 3
+    vocab = 1000
+    x = torch.randn(vocab, generator=torch.Generator().manual_seed(4)) * 3
     x[17] = -float("inf")
-    out = array("d", [0.0, 0.0])
+    k = filters.get("top_k", vocab)
+    lp = array("d", [0.0])
     for t in (0.3, 1.0, 1.7):
-        for d in (0, 17, 333, 999):
-            sampler.lib.pagoda_token_prob(x.data_ptr(), x.shape[0], t, d, out.buffer_info()[0])
-            p = torch.softmax(x.double() / t, 0)[d]
-            assert out[0] == pytest.approx(float(p), rel=1e-5, abs=1e-12), (t, d)
-            assert out[1] == pytest.approx(float(torch.logsumexp(x.double(), 0)), rel=1e-6)
+        p = torch.softmax(x.double() / t, 0)
+        order = torch.sort(x, descending=True, stable=True).indices
+        p[order[k:]] = 0
+        p /= p.sum()
+        before = p[order].cumsum(0) - p[order]
+        p[order[before >= filters.get("top_p", 1.0)]] = 0
+        p[p < filters.get("min_p", 0.0) * p.max()] = 0
+        p /= p.sum()
+        for d in (int(order[0]), int(order[3]), 17, 999):
+            def check(u: float, t: float = t, d: int = d) -> int:
+                got = sampler.lib.pagoda_check_draft(x.data_ptr(), vocab, t, k, filters.get("top_p", 1.0),
+                                                     filters.get("min_p", 0.0), d, u, lp.buffer_info()[0])
+                assert lp[0] == pytest.approx(float(x[got] - torch.logsumexp(x.double(), 0)), abs=1e-6)
+                return got
+            p_d = float(p[d])
+            if p_d > 0:
+                assert check(p_d * (1 - 1e-6)) == d, (t, d)
+            if p_d == 1:  # the only token kept: every draw keeps it
+                assert check(0.999) == d
+                continue
+            rest = p.clone()
+            rest[d] = 0
+            cdf = (rest / rest.sum()).cumsum(0)
+            for v in (0.013, 0.31, 0.77, 0.987):
+                want = int(torch.searchsorted(cdf, torch.tensor([v], dtype=torch.float64), right=True))
+                assert check(p_d + v * (1 - p_d)) == want, (t, d, v)
 
 
 def test_random_rows_keep_the_step_distribution() -> None:
@@ -286,9 +312,9 @@ def test_random_rows_keep_the_step_distribution() -> None:
 
 @pytest.mark.parametrize("filters", [{"top_k": 3}, {"top_p": 0.7}, {"min_p": 0.2}, {"presence_penalty": 1.5}])
 def test_filtered_random_rows_keep_the_step_distribution(filters: dict) -> None:
-    """The same for random rows with a filter (top-k, top-p, min-p) or a penalty, checked by the torch path: the
-    token is distributed as the filtered distribution of a step of its own, for a likely draft, an unlikely one
-    and one the filter drops (never accepted)."""
+    """The same for random rows with a filter (top-k, top-p, min-p: checked by the C++ pass) or a penalty (by the
+    torch path): the token is distributed as the filtered distribution of a step of its own, for a likely draft, an
+    unlikely one and one the filter drops (never accepted)."""
     sampler = _sampler()
     vocab, temperature, trials = 6, 0.7, 20000
     logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, -1.5]], dtype=torch.float32).repeat(2, 1)
