@@ -128,7 +128,7 @@ VERSUS = {
     "no-prefetch": "with the cpp backend, its kernel prefetching the next blocks' K and V (as the engine does) "
                    "against not prefetching",
     "torch-elementwise": "the elementwise steps as torch ops, not the fused C++ ones (--no-fused-ops)",
-    "torch-sampler": "the sampler's torch code for every row, not the C++ pass for plain rows (--no-fused-ops)",
+    "torch-sampler": "the sampler's torch code for every row, not its C++ pass (--no-fused-ops)",
     "length-groups": "with the cpp backend, decodes in groups of similar length (as for sdpa), not one group",
     **{f"{name}-attention": f"the same steps with attention backend {name}" for name in ("sdpa", "compiled", "cpp")},
 }
