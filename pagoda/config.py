@@ -69,8 +69,8 @@ class ModelConfig:
     # oneDNN-packed float32/bfloat16 weights for decode-sized steps (pagoda/layers/linear.py). None (auto): for
     # float32 and bfloat16 models whose packed copy takes at most PREPACK_AUTO_MAX_BYTES, not with compile_model
     prepack_weights: bool | None = None
-    # elementwise steps in C++ for float32/16-bit models (pagoda/layers/elementwise.py), the sampler's rows without
-    # bias or penalty (pagoda/layers/sampler.py) and bfloat16 linears of 1-4-row steps (pagoda/layers/gemv.cpp)
+    # elementwise steps in C++ for float32/16-bit models (pagoda/layers/elementwise.py), the sampler
+    # (pagoda/layers/sampler.py) and bfloat16 linears of 1-4-row steps (pagoda/layers/gemv.cpp)
     fused_ops: bool = True
     # "q4_1": the decoder's linears run 4-bit Q4_1 weights (the lm_head 8-bit Q8_0) against int8 activations,
     # llama.cpp's arithmetic for a Q4_1 file (pagoda/layers/q4_linear.py); "q8_0": every linear 8-bit Q8_0

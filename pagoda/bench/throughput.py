@@ -56,9 +56,9 @@ def run_throughput(args: argparse.Namespace, engine_options: dict[str, Any]) -> 
     vocab_size = min(llm.engine.arch.vocab_size, tok.vocab_size)
     work = make_workload(workload_spec(args), vocab_size, tok.all_special_ids)
     prompts = [w.prompt for w in work]
-    temperature, top_p = getattr(args, "temperature", 1.0), getattr(args, "top_p", 1.0)
-    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=args.seed + i, max_tokens=w.output_len,
-                             ignore_eos=True) for i, w in enumerate(work)]
+    sampling: dict[str, Any] = {name: getattr(args, name, default) for name, default in SAMPLING_FLAGS.items()}
+    params = [SamplingParams(**sampling, seed=args.seed + i, max_tokens=w.output_len, ignore_eos=True)
+              for i, w in enumerate(work)]
     profiler = llm.engine.enable_profiling() if getattr(args, "profile", False) else None
     llm.engine.track_kv_usage = getattr(args, "kv_usage", False)
     peak_before = matmul_peak(llm.engine.model)
@@ -161,12 +161,17 @@ def compute_floor(model: Any, prompt_tokens: int, output_tokens: int, elapsed: f
             "compute_floor_fraction": achieved / rate}
 
 
+# The requests' sampling flags (bench throughput's --temperature, --top-p, --repetition-penalty) and the values the
+# peers sample with, which they alone take.
+SAMPLING_FLAGS = {"temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0}
+
+
 def run(args: argparse.Namespace, engine_options: dict[str, Any]) -> dict[str, Any]:
     """Run the chosen backend; engine flags other than --model and --dtype only apply to pagoda."""
     backend = getattr(args, "backend", "pagoda")
-    if backend != "pagoda" and (getattr(args, "temperature", 1.0) != 1.0 or getattr(args, "top_p", 1.0) != 1.0):
-        raise ValueError(f"--temperature and --top-p apply to the pagoda backend only ({backend} samples at "
-                         "temperature 1, without a filter)")
+    if backend != "pagoda" and any(getattr(args, name, default) != default for name, default in SAMPLING_FLAGS.items()):
+        raise ValueError(f"--temperature, --top-p and --repetition-penalty apply to the pagoda backend only ({backend} "
+                         "samples at temperature 1, without a filter or penalty)")
     if backend == "pagoda":
         return run_throughput(args, engine_options)
     if backend == "hf":
@@ -197,6 +202,8 @@ def add_parser(sub: Any, add_engine_flags: Any) -> None:
                         "as speculative decoding's figures in BENCHMARKS.md were taken)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="pagoda backend: the requests' top_p (default 1: no filter)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="pagoda backend: the requests' repetition_penalty (default 1: none)")
     p.add_argument("--profile", action="store_true",
                    help="pagoda backend: break each step's time down by phase and module kind")
     p.add_argument("--kv-usage", action="store_true",

@@ -61,8 +61,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "needs a C++ compiler")
     g.add_argument("--no-fused-ops", dest="fused_ops", action="store_false",
                    help="run the elementwise steps (residual add + RMSNorm, rotary, SiLU-and-multiply), the "
-                        "sampler's rows without bias or penalty and bfloat16 linears of 1-4-row steps as torch / "
-                        "oneDNN ops instead of our C++ loops (compiled at start-up)")
+                        "sampler and bfloat16 linears of 1-4-row steps as torch / oneDNN ops instead of our C++ loops "
+                        "(compiled at start-up)")
     g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="pack each float32 linear weight (and bfloat16 one, on AVX-512 CPUs) once, in panels for our "
                         "tile kernels, which take every step and replace the plain weight (freed; a tied embedding "

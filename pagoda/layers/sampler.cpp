@@ -1,6 +1,6 @@
-// The sampler's rows without bias, penalty or min_tokens block in passes over their logits: greedy rows, random
-// rows with a temperature, and random rows with top-k, top-p or min-p filters (pagoda/layers/sampler.py picks them;
-// every other row runs its torch code). In torch a plain random row is 8-9 ops, each a pass over (rows x vocab)
+// The sampler's rows in passes over their logits: greedy rows, random rows with a temperature, and random rows with
+// top-k, top-p or min-p filters (pagoda/layers/sampler.py picks them, after it has processed the rows with a bias,
+// penalties or a min_tokens block in torch). In torch a plain random row is 8-9 ops, each a pass over (rows x vocab)
 // float32 logits: divide by the temperature, max, subtract, exp, the chunk sums of the inverse-CDF search, and a
 // logsumexp for the chosen token's logprob (BENCHMARKS.md, "A fused pass for the sampler's plain rows"); a filtered
 // row adds a top-k of 64 (and of 1,024 where the nucleus is not among 64), a sort of them and a scatter back.
@@ -330,9 +330,12 @@ static double chunk_sums(const float* row, int64_t V, float m, float t, double* 
 // (R,): each random row's filters (V, 1 and 0 for none; the three may be null: no row has any); u (R,): each
 // random row's uniform draw in [0, 1) (ignored for greedy rows); ids (R,) and logprobs (R,) out: the chosen token
 // and its raw logprob (logit - logsumexp over the row, before the temperature). work: R * ceil(V / CHUNK) float64.
+// raw: null, or the logits the logprobs are of where x holds them processed (bias, penalties, a min_tokens block),
+// row r at raw + raw_rows[r] * raw_stride.
 extern "C" void pagoda_sample(const float* x, const int64_t* rows, int64_t R, int64_t V, int64_t stride,
                               const float* temps, const int64_t* top_k, const float* top_p, const float* min_p,
-                              const double* u, int64_t* ids, double* logprobs, double* work) {
+                              const double* u, int64_t* ids, double* logprobs, double* work, const float* raw,
+                              const int64_t* raw_rows, int64_t raw_stride) {
   const int64_t chunks = (V + CHUNK - 1) / CHUNK;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < R; ++r) {
@@ -341,7 +344,9 @@ extern "C" void pagoda_sample(const float* x, const int64_t* rows, int64_t R, in
     const float t = temps[r];
     const bool filtered = t > 0.0f && top_k != nullptr && (top_k[r] < V || top_p[r] < 1.0f || min_p[r] > 0.0f);
     double* cdf = t > 0.0f && !filtered ? work + r * chunks : nullptr;
-    const double lse = chunk_sums(row, V, m, t, cdf);
+    double lse = chunk_sums(row, V, m, t, cdf);
+    const float* raw_row = raw != nullptr ? raw + raw_rows[r] * raw_stride : row;
+    if (raw_row != row) lse = chunk_sums(raw_row, V, row_max(raw_row, V), 1.0f, nullptr);
     int64_t chosen = -1;
     if (filtered) {
       static thread_local std::vector<Candidate> candidates, selected;
@@ -351,7 +356,7 @@ extern "C" void pagoda_sample(const float* x, const int64_t* rows, int64_t R, in
     }
     if (chosen < 0) chosen = first_max(row, V, m);  // greedy, or no token with weight (a row of NaN or -inf)
     ids[r] = chosen;
-    logprobs[r] = double(row[chosen]) - lse;
+    logprobs[r] = double(raw_row[chosen]) - lse;
   }
 }
 

@@ -16,10 +16,12 @@ Order of processing for each row (as vLLM does it):
 Returned logprobs are those of the raw model distribution (log_softmax of the logits as given,
 before bias, penalties and temperature), as vLLM reports them by default.
 
-Rows without bias, penalty or min_tokens block (greedy, or random with a temperature and any of top-k, top-p
-and min-p) can run in one C++ pass instead (`sampler.cpp`, once `Sampler.enable_fused` built it): same semantics,
-its own float32 rounding (the source's header says what that changes). Which path a row takes depends on the
-row alone, so a seed still gives the same tokens whatever else is in the batch.
+Float32 rows on the CPU can run in one C++ pass instead (`sampler.cpp`, once `Sampler.enable_fused` built it):
+greedy, or random with a temperature and any of top-k, top-p and min-p; a row with a bias, penalties or a
+min_tokens block is processed by the torch code's ops first (_process_row), and its logprob taken from the logits
+as given. Same semantics, its own float32 rounding (the source's header says what that changes). Which path a row
+takes depends on the row and the logits' dtype and device alone, so a seed still gives the same tokens whatever
+else is in the batch.
 """
 
 from __future__ import annotations
@@ -378,18 +380,12 @@ _SOURCE = Path(__file__).with_name("sampler.cpp")
 def _library() -> Any:
     lib = load_library(_SOURCE, {"CHUNK": _CDF_CHUNK})
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.pagoda_sample.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.pagoda_sample.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64]
     lib.pagoda_sample.restype = None
     f32 = ctypes.c_float
     lib.pagoda_check_draft.argtypes = [ptr, i64, f32, i64, f32, f32, i64, ctypes.c_double, ptr]
     lib.pagoda_check_draft.restype = i64
     return lib
-
-
-def _fused(p: SamplingParams, num_output_tokens: int) -> bool:
-    """A row the C++ pass samples: no bias, min_tokens block or penalty this step (greedy or random, filtered or
-    not)."""
-    return not _needs_logit_processing(p, num_output_tokens)
 
 
 def _filtered(p: SamplingParams, vocab: int) -> bool:
@@ -398,10 +394,11 @@ def _filtered(p: SamplingParams, vocab: int) -> bool:
 
 
 def takes_steps(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether a request's row is one that several decode steps in one call sample (Sampler.fused_steps): one the
-    C++ pass samples now, so in every later step too (a min_tokens block only ends as tokens are added), and
-    without logprobs. The scheduler asks it before it plans such a call (LLMEngine sets Scheduler.takes_steps)."""
-    return params.logprobs is None and _fused(params, num_output_tokens)
+    """Whether a request's row is one that several decode steps in one call sample (Sampler.fused_steps): one with
+    no bias, penalty or min_tokens block now, so in every later step too (a min_tokens block only ends as tokens
+    are added), and without logprobs. The scheduler asks it before it plans such a call (LLMEngine sets
+    Scheduler.takes_steps)."""
+    return params.logprobs is None and not _needs_logit_processing(params, num_output_tokens)
 
 
 class Sampler:
@@ -434,20 +431,27 @@ class Sampler:
         # build, scatter and convert small tensors cost more than the sampling itself (BENCHMARKS.md, "The
         # sampler's bookkeeping").
         token_ids, logprobs = [0] * n, [0.0] * n
-        fused = []
         if self.lib is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
-            fused = [i for i, r in enumerate(rows) if _fused(r.params, len(r.output_token_ids))]
-        if fused:
-            ids, lps = self._sample_fused(logits, [rows[i] for i in fused], fused)
-            for j, i in enumerate(fused):
-                token_ids[i], logprobs[i] = ids[j], lps[j]
-        taken = set(fused)
-        rest = [i for i in range(n) if i not in taken]
-        if rest:
-            idx = _row_index(rest, n, logits.device)
-            ids_t, lps_t = _sample_torch(logits[idx], [rows[i] for i in rest])
-            for i, t, lp in zip(rest, ids_t.tolist(), lps_t.tolist(), strict=True):
-                token_ids[i], logprobs[i] = t, lp
+            if logits.stride(1) != 1:
+                logits = logits.contiguous()
+            fused = [i for i, r in enumerate(rows) if not _needs_logit_processing(r.params, len(r.output_token_ids))]
+            if fused:
+                ids, lps = self._sample_fused(logits, [rows[i] for i in fused], fused)
+                for j, i in enumerate(fused):
+                    token_ids[i], logprobs[i] = ids[j], lps[j]
+            taken = set(fused)
+            processed = [i for i in range(n) if i not in taken]
+            if processed:  # their rows processed in torch (a few small ops each), then the same pass
+                x = logits[torch.tensor(processed, dtype=torch.long, device=logits.device)]  # a copy
+                for j, i in enumerate(processed):
+                    _process_row(x[j], rows[i])
+                ids, lps = self._sample_fused(x, [rows[i] for i in processed], range(len(processed)),
+                                              raw=(logits, processed))
+                for j, i in enumerate(processed):
+                    token_ids[i], logprobs[i] = ids[j], lps[j]
+        else:
+            ids_t, lps_t = _sample_torch(logits, rows)
+            token_ids, logprobs = ids_t.tolist(), lps_t.tolist()
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs,
                              top_logprobs=_top_logprobs(logits, token_ids, rows))
 
@@ -470,7 +474,7 @@ class Sampler:
             for i, stream in draws:
                 args.u[i] = stream.next()
             lib.pagoda_sample(logits.data_ptr(), *args.ahead(logits), ids, _address(logprobs) + 8 * n * step,
-                              args.work_address)
+                              args.work_address, None, None, 0)
 
         return sample, logprobs
 
@@ -543,12 +547,17 @@ class Sampler:
                 break
         return out
 
-    def _sample_fused(self, logits: torch.Tensor, rows: list[SamplingRow],
-                      which: Sequence[int]) -> tuple[list[int], list[float]]:
+    def _sample_fused(self, logits: torch.Tensor, rows: list[SamplingRow], which: Sequence[int],
+                      raw: tuple[torch.Tensor, list[int]] | None = None) -> tuple[list[int], list[float]]:
         """The C++ pass over rows `which` of logits (float32, on the CPU), rows[j] the row of logits[which[j]]:
-        their token ids and logprobs."""
+        their token ids and logprobs. raw: where logits holds the rows processed, the logits before (float32, on the
+        CPU, contiguous rows) and the row of each that the logprobs are of."""
         if logits.stride(1) != 1:
             logits = logits.contiguous()
+        raw_args: tuple[int | None, int | None, int] = (None, None, 0)
+        if raw is not None:
+            raw_rows = array("q", raw[1])
+            raw_args = (raw[0].data_ptr(), _address(raw_rows), raw[0].stride(0))
         args = _PassArrays(rows, which, logits.shape[1])
         # one draw per random row from its own generator, as the torch path draws it (greedy rows draw none)
         for j, row in enumerate(rows):
@@ -557,7 +566,7 @@ class Sampler:
         n = len(rows)
         ids, lps = array("q", bytes(8 * n)), array("d", bytes(8 * n))
         self.lib.pagoda_sample(logits.data_ptr(), *args.ahead(logits), _address(ids), _address(lps),
-                               args.work_address)
+                               args.work_address, *raw_args)
         return ids.tolist(), lps.tolist()
 
 

@@ -121,8 +121,8 @@ def test_latency_reports_every_timed_iteration(model_dir: Path, capsys: pytest.C
 
 def test_sampling_flags_reach_the_pagoda_requests_and_no_peer(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """--temperature and --top-p set the pagoda backend's requests; a peer, which samples at temperature 1 without a
-    filter, refuses them."""
+    """--temperature, --top-p and --repetition-penalty set the pagoda backend's requests; a peer, which samples at
+    temperature 1 without a filter or penalty, refuses them."""
     from pagoda.entrypoints.llm import LLM
 
     seen: list[Any] = []
@@ -134,9 +134,9 @@ def test_sampling_flags_reach_the_pagoda_requests_and_no_peer(model_dir: Path, m
 
     monkeypatch.setattr(LLM, "generate", spy)
     run_json(capsys, "bench", "throughput", "--model", str(model_dir), *WORKLOAD, "--json", *ENGINE,
-             "--temperature", "0.5", "--top-p", "0.8")
-    assert len(seen) == 3 and {(p.temperature, p.top_p) for p in seen} == {(0.5, 0.8)}
-    for flag in (["--temperature", "0.5"], ["--top-p", "0.8"]):
+             "--temperature", "0.5", "--top-p", "0.8", "--repetition-penalty", "1.1")
+    assert len(seen) == 3 and {(p.temperature, p.top_p, p.repetition_penalty) for p in seen} == {(0.5, 0.8, 1.1)}
+    for flag in (["--temperature", "0.5"], ["--top-p", "0.8"], ["--repetition-penalty", "1.1"]):
         assert main(["bench", "throughput", "--backend", "hf", "--model", str(model_dir), *WORKLOAD, *flag]) == 2
         assert "apply to the pagoda backend only" in capsys.readouterr().err
 

@@ -364,7 +364,7 @@ def _fused_sampler() -> Sampler:
     return sampler
 
 
-def test_rows_without_processing_take_the_fused_pass_and_others_the_torch_code(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_float32_rows_take_the_fused_pass_and_others_the_torch_code(monkeypatch: pytest.MonkeyPatch) -> None:
     import pagoda.layers.sampler as sampler_module
 
     sampler, seen = _fused_sampler(), []
@@ -375,8 +375,7 @@ def test_rows_without_processing_take_the_fused_pass_and_others_the_torch_code(m
             _row(temperature=0.0, logit_bias={1: 1.0}), _row(temperature=1.0, top_k=VOCAB, seed=3),
             _row(temperature=1.0, repetition_penalty=1.2, top_p=0.5)]
     sampler(_logits(6), rows)
-    assert seen == [2]  # the logit bias and the penalty; filters are the C++ pass's
-    seen.clear()
+    assert seen == []  # filters, the bias and the penalty too
     sampler(_logits(6).double(), rows)  # float64 logits: the torch code for every row
     assert seen == [6]
 
@@ -417,6 +416,37 @@ def test_fused_filters_agree_with_the_torch_code(vocab: int, scale: float) -> No
             assert fused_out.token_ids == torch_out.token_ids, (filters, t)
             assert fused_out.logprobs == pytest.approx(torch_out.logprobs, abs=1e-5)
             assert fused_out.token_ids[5] >= vocab // 2
+
+
+PROCESSING = [dict(logit_bias={3: 30.0, 7: -50.0}), dict(repetition_penalty=1.6), dict(frequency_penalty=1.1),
+              dict(presence_penalty=0.8, top_p=0.8), dict(min_tokens=9, top_k=5),
+              dict(repetition_penalty=1.3, min_p=0.1)]
+
+
+@pytest.mark.parametrize("vocab", [50, 1003])
+def test_fused_pass_on_processed_rows_agrees_with_the_torch_code(vocab: int) -> None:
+    """Rows with a bias, penalties or a min_tokens block (processed by the torch ops, then sampled by the C++ pass):
+    the tokens the torch code draws, greedy and random, with and without filters, in one batch with plain rows;
+    their logprobs those of the logits as given (raw), not of the processed ones."""
+    logits = _logits(16, seed=5, vocab=vocab)
+    eos = frozenset({int(logits[0].argmax())})
+    params = [dict(temperature=t, seed=i, **p) for i, p in enumerate(PROCESSING) for t in (0.0, 0.9)]
+    params += [dict(temperature=0.8, seed=40), dict(temperature=0.0), dict(temperature=1.0, top_p=0.7, seed=41),
+               dict(temperature=0.5, seed=42)]
+
+    def rows() -> list[SamplingRow]:
+        return [_row(output=[3, 3, 8, 1], prompt=[7, 2, 3], eos=eos, **p) for p in params]
+
+    for _ in range(3):  # the same draws each time round: seeded rows
+        torch_out = _sample_torch_only(logits, rows())
+        fused_out = _fused_sampler()(logits, rows())
+        assert fused_out.token_ids == torch_out.token_ids
+        assert fused_out.logprobs == pytest.approx(torch_out.logprobs, abs=1e-5)
+    raw = torch.log_softmax(logits.double(), dim=-1)
+    assert fused_out.logprobs == pytest.approx([float(raw[i, t]) for i, t in enumerate(fused_out.token_ids)],
+                                               abs=1e-5)
+    assert fused_out.token_ids[0] == 3 and fused_out.token_ids[1] == 3  # the bias chose it
+    assert all(t not in eos for t in fused_out.token_ids[8:10])  # min_tokens blocks EOS
 
 
 def test_fused_filters_break_ties_by_id() -> None:
