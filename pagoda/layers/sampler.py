@@ -18,7 +18,7 @@ before bias, penalties and temperature), as vLLM reports them by default.
 
 Float32 rows on the CPU can run in one C++ pass instead (`sampler.cpp`, once `Sampler.enable_fused` built it):
 greedy, or random with a temperature and any of top-k, top-p and min-p; a row with a bias, penalties or a
-min_tokens block is processed by the torch code's ops first (_process_row), and its logprob taken from the logits
+min_tokens block is processed by the torch code's ops first (_process_rows), and its logprob taken from the logits
 as given. Same semantics, its own float32 rounding (the source's header says what that changes). Which path a row
 takes depends on the row and the logits' dtype and device alone, so a seed still gives the same tokens whatever
 else is in the batch.
@@ -101,28 +101,52 @@ def _needs_logit_processing(p: SamplingParams, num_output_tokens: int) -> bool:
     )
 
 
-def _process_row(logits: torch.Tensor, row: SamplingRow) -> None:
-    """Applies bias, min_tokens and penalties to one row of logits (vocab,), in place."""
-    p, vocab, device = row.params, logits.shape[0], logits.device
-    if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=device)
-        bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device)
-        logits.index_add_(0, ids, bias)
-    if len(row.output_token_ids) < p.min_tokens:
-        blocked = [t for t in row.eos_token_ids.union(p.stop_token_ids or []) if t < vocab]
-        if blocked:
-            logits[torch.tensor(blocked, dtype=torch.long, device=device)] = float("-inf")
-    if p.repetition_penalty != 1.0:
-        seen = [*row.prompt_token_ids, *row.output_token_ids]
-        if seen:
-            ids = torch.tensor(seen, dtype=torch.long, device=device).unique()
-            vals = logits[ids]
-            logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and len(row.output_token_ids) > 0:
-        out = torch.tensor(list(row.output_token_ids), dtype=torch.long, device=device)
-        ids, counts = out.unique(return_counts=True)
+def _process_rows(x: torch.Tensor, rows: list[SamplingRow], which: Sequence[int]) -> None:
+    """Applies bias, min_tokens and penalties to rows `which` of logits x (rows[j] the row of x[j]), in place: each
+    kind as a few ops over the (row, token) pairs of all the rows at once, not per row (~130 us a row for a
+    repetition penalty alone, BENCHMARKS.md)."""
+    device, vocab = x.device, x.shape[1]
+
+    def index(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    def per_row(values: dict[int, float]) -> torch.Tensor:  # one value a row of x, 0 for the rows not given
+        out = torch.zeros(x.shape[0], dtype=x.dtype, device=device)
+        out[index(list(values))] = torch.tensor(list(values.values()), dtype=x.dtype, device=device)
+        return out
+
+    def unique_pairs(tokens: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The distinct (row, token) pairs of each row's tokens, and how often each occurs."""
+        ids = index([t for ts in tokens.values() for t in ts])
+        at = torch.repeat_interleave(index(list(tokens)), index([len(ts) for ts in tokens.values()]))
+        keys, counts = torch.unique(at * vocab + ids, return_counts=True)
+        return keys // vocab, keys % vocab, counts
+
+    params = {j: rows[j].params for j in which}
+    bias = [(j, t, b) for j, p in params.items() for t, b in (p.logit_bias or {}).items()]
+    if bias:
+        x.index_put_((index([j for j, _, _ in bias]), index([t for _, t, _ in bias])),
+                     torch.tensor([b for _, _, b in bias], dtype=x.dtype, device=device), accumulate=True)
+    blocked = [(j, t) for j, p in params.items() if len(rows[j].output_token_ids) < p.min_tokens
+               for t in rows[j].eos_token_ids.union(p.stop_token_ids or []) if t < vocab]
+    if blocked:
+        x[index([j for j, _ in blocked]), index([t for _, t in blocked])] = float("-inf")
+    seen = {j: [*rows[j].prompt_token_ids, *rows[j].output_token_ids] for j, p in params.items()
+            if p.repetition_penalty != 1.0}
+    seen = {j: ts for j, ts in seen.items() if ts}
+    if seen:
+        r, t, _ = unique_pairs(seen)
+        penalty = per_row({j: params[j].repetition_penalty for j in seen})[r]
+        vals = x[r, t]
+        x[r, t] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    outputs = {j: list(rows[j].output_token_ids) for j, p in params.items()
+               if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and rows[j].output_token_ids}
+    if outputs:
+        r, t, counts = unique_pairs(outputs)
+        frequency = per_row({j: params[j].frequency_penalty for j in outputs})[r]
+        presence = per_row({j: params[j].presence_penalty for j in outputs})[r]
         # logits -= frequency * count + presence * (count > 0)
-        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+        x[r, t] -= frequency * counts.to(x.dtype) + presence
 
 
 def apply_logit_processing(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -135,8 +159,7 @@ def apply_logit_processing(logits: torch.Tensor, rows: list[SamplingRow]) -> tor
     if not todo:
         return logits
     processed = logits.clone()
-    for i in todo:
-        _process_row(processed[i], rows[i])
+    _process_rows(processed, rows, todo)
     return processed
 
 
@@ -443,8 +466,7 @@ class Sampler:
             processed = [i for i in range(n) if i not in taken]
             if processed:  # their rows processed in torch (a few small ops each), then the same pass
                 x = logits[torch.tensor(processed, dtype=torch.long, device=logits.device)]  # a copy
-                for j, i in enumerate(processed):
-                    _process_row(x[j], rows[i])
+                _process_rows(x, [rows[i] for i in processed], range(len(processed)))
                 ids, lps = self._sample_fused(x, [rows[i] for i in processed], range(len(processed)),
                                               raw=(logits, processed))
                 for j, i in enumerate(processed):

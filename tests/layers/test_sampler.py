@@ -224,6 +224,25 @@ def test_each_penalty_alone() -> None:
         torch.testing.assert_close(out, torch.tensor([want]), msg=str(params))
 
 
+def test_processing_rows_together_equals_each_alone() -> None:
+    """The bias, min_tokens and penalties of many rows applied at once (pairs of row and token for all of them) give
+    each row what it gets alone, bit for bit: no row's tokens or values reach another's."""
+    logits = _logits(9, seed=9)
+    params: list[dict[str, Any]] = [
+        dict(repetition_penalty=1.5), dict(), dict(frequency_penalty=0.7, presence_penalty=-0.3),
+        dict(logit_bias={1: 3.0, 49: -2.0}, repetition_penalty=0.8), dict(min_tokens=5, stop_token_ids=[7]),
+        dict(presence_penalty=1.0, min_tokens=1), dict(repetition_penalty=1.2, frequency_penalty=0.2),
+        dict(logit_bias={0: 1.0}), dict(repetition_penalty=2.0, presence_penalty=0.5, logit_bias={5: -1.0})]
+    rng = torch.Generator().manual_seed(2)
+    rows = [_row(prompt=torch.randint(VOCAB, (5 + i,), generator=rng).tolist(),
+                 output=torch.randint(8, (i,), generator=rng).tolist(), eos=frozenset({i}), **p)
+            for i, p in enumerate(params)]
+    together = apply_logit_processing(logits, rows)
+    for i, row in enumerate(rows):
+        assert torch.equal(together[i], apply_logit_processing(logits[i: i + 1], [row])[0]), params[i]
+    assert not torch.equal(together, logits)
+
+
 def test_rows_without_penalties_cost_nothing() -> None:
     logits = _logits(3)
     rows = [_row(temperature=0.7, top_k=5, min_p=0.1, min_tokens=1, output=[1]), _row(),
