@@ -68,8 +68,9 @@ static inline float weight_sum(const float* x, int64_t lo, int64_t hi, float m, 
 
 // The filtered rows' search (top-k, top-p, min-p; pagoda_sample below). A row's candidates are the tokens whose
 // scaled logit y = (x - max) / t lies within LEVEL[j] of the top (y >= -LEVEL[j]), for the first level j known to
-// hold every token the filters keep, else every token: one pass counts each level's tokens, sums their weights and
-// takes the largest weight left outside; a second gathers the level's tokens (in id order). A level is a whole
+// hold every token the filters keep, else every token: one pass sums what decides each level (for top-k how many
+// tokens it holds, for top-p their weight, for min-p alone the largest weight left outside); a second gathers the
+// level's tokens (in id order). A level is a whole
 // prefix of the torch path's order (logit descending, ties by id: its stable sort), since y only grows with x.
 // Within the candidates, the last token the filters keep is found by selection (nth_element for top-k, a
 // quickselect that sums the weights on each side for top-p), not by sorting them: on the default model at

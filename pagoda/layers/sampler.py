@@ -400,8 +400,9 @@ _SOURCE = Path(__file__).with_name("sampler.cpp")
 
 
 @functools.cache
-def _library() -> Any:
-    lib = load_library(_SOURCE, {"CHUNK": _CDF_CHUNK})
+def _library(extra_flags: tuple[str, ...] = ()) -> Any:
+    """sampler.cpp built for this CPU (extra_flags: the tests' narrower vector widths)."""
+    lib = load_library(_SOURCE, {"CHUNK": _CDF_CHUNK}, extra_flags)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_sample.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64]
     lib.pagoda_sample.restype = None
@@ -431,8 +432,8 @@ class Sampler:
         self.lib: Any = None  # sampler.cpp, once enable_fused built it
 
     def enable_fused(self) -> float:
-        """Build (or load from the cache) the C++ pass (rows without bias or penalty); its seconds. If building fails
-        (logged), every row keeps the torch path."""
+        """Build (or load from the cache) the C++ pass; its seconds. If building fails (logged), every row keeps the
+        torch path."""
         start = time.perf_counter()
         try:
             self.lib = _library()
@@ -464,7 +465,7 @@ class Sampler:
                     token_ids[i], logprobs[i] = ids[j], lps[j]
             taken = set(fused)
             processed = [i for i in range(n) if i not in taken]
-            if processed:  # their rows processed in torch (a few small ops each), then the same pass
+            if processed:  # their rows copied and processed in torch (a few ops for all of them), then the same pass
                 x = logits[torch.tensor(processed, dtype=torch.long, device=logits.device)]  # a copy
                 _process_rows(x, [rows[i] for i in processed], range(len(processed)))
                 ids, lps = self._sample_fused(x, [rows[i] for i in processed], range(len(processed)),
@@ -513,8 +514,8 @@ class Sampler:
           p(t): the distribution of a step of its own (the draws differ, so the tokens of a seeded request do too).
         Where every draft is accepted, the last row gives one more token as a step would. Each position sees the
         drafts before it among the row's outputs (penalties, min_tokens). Rows that several steps a call take
-        (takes_steps: no logprobs, nothing to process) go through the C++ pass (a filtered random row's check:
-        pagoda_check_draft, which draws once a position); the others through the torch path's own steps
+        (takes_steps: no logprobs, nothing to process) go through the C++ pass (a random row's check:
+        pagoda_check_draft, one draw a position); the others through the torch path's own steps
         (_verify_processed)."""
         n, vocab = len(drafts), logits.shape[1]
         if self.lib is None or not takes_steps(row.params, len(row.output_token_ids)):

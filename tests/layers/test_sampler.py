@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -481,6 +482,32 @@ def test_fused_filters_break_ties_by_id() -> None:
         if "top_p" not in filters:  # each row's kept set reached
             for r in range(8):
                 assert len(set(fused_ids[r::8])) == filters["top_k"], (filters, r)
+
+
+@pytest.mark.parametrize("width", [8, 4])
+def test_fused_pass_at_narrower_vector_widths(width: int) -> None:
+    """The pass as AVX2 CPUs (8 lanes) and older ones (4) build it, on this CPU too (its lane masks come from
+    `vmovmskps` or lane by lane there), against the build for this one: the same tokens for the same draws, plain,
+    filtered, processed and greedy rows, a vocabulary that is not whole vectors; and the draft check."""
+    from pagoda.layers.sampler import _library
+    from tests.layers.test_cpp_vector import NARROWER
+
+    logits = _logits(24, seed=11, vocab=1003) * 3
+    params = [dict(temperature=0.0), dict(temperature=0.8), *[dict(temperature=0.7, **f) for f in FILTERS],
+              *[dict(temperature=0.9, **p) for p in PROCESSING]]
+
+    def run(sampler: Sampler) -> tuple[list[int], list[int]]:
+        rows = [_row(output=[3, 3, 8], **{**p, "seed": i}) for i, p in enumerate(params)]
+        ids = sampler(logits[: len(rows)], rows).token_ids
+        lp = array("d", [0.0])
+        checks = [sampler.lib.pagoda_check_draft(logits[i].data_ptr(), 1003, 0.7, 40, 0.9, 0.0, d, u,
+                                                 lp.buffer_info()[0])
+                  for i, (d, u) in enumerate([(5, 0.3), (7, 0.9), (int(logits[2].argmax()), 0.2)])]
+        return ids, checks
+
+    narrow = _fused_sampler()
+    narrow.lib = _library(NARROWER[width])
+    assert run(narrow) == run(_fused_sampler())
 
 
 def test_fused_filters_on_broken_rows() -> None:
