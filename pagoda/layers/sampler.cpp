@@ -366,8 +366,9 @@ extern "C" void pagoda_sample(const float* x, const int64_t* rows, int64_t R, in
 // token drawn from p without d by u' = (u - p(d)) / (1 - p(d)), which given u >= p(d) is uniform in [0, 1): d with
 // probability p(d), t != d with (1 - p(d)) p(t) / (1 - p(d)) = p(t). The same weights and sums as pagoda_sample.
 // Returns the token and its raw logprob (logprob[0]); a broken row (no token with weight) gives its first maximum.
+// raw: null, or the logits the logprob is of where x holds them processed (bias, penalties, a min_tokens block).
 extern "C" int64_t pagoda_check_draft(const float* x, int64_t V, float t, int64_t k, float p, float mp, int64_t d,
-                                      double u, double* logprob) {
+                                      double u, double* logprob, const float* raw) {
   static thread_local std::vector<Candidate> candidates, selected;
   static thread_local std::vector<double> cdf;
   const float m = row_max(x, V);
@@ -401,6 +402,7 @@ extern "C" int64_t pagoda_check_draft(const float* x, int64_t V, float t, int64_
     }
   }
   if (chosen < 0) chosen = first_max(x, V, m);  // d the only token with weight; or a broken row
-  *logprob = double(x[chosen]) - lse;
+  if (raw != nullptr) lse = chunk_sums(raw, V, row_max(raw, V), 1.0f, nullptr);
+  *logprob = double((raw != nullptr ? raw : x)[chosen]) - lse;
   return chosen;
 }

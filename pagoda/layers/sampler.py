@@ -407,7 +407,7 @@ def _library(extra_flags: tuple[str, ...] = ()) -> Any:
     lib.pagoda_sample.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64]
     lib.pagoda_sample.restype = None
     f32 = ctypes.c_float
-    lib.pagoda_check_draft.argtypes = [ptr, i64, f32, i64, f32, f32, i64, ctypes.c_double, ptr]
+    lib.pagoda_check_draft.argtypes = [ptr, i64, f32, i64, f32, f32, i64, ctypes.c_double, ptr, ptr]
     lib.pagoda_check_draft.restype = i64
     return lib
 
@@ -517,7 +517,7 @@ class Sampler:
         (takes_steps: no logprobs, nothing to process) go through the C++ pass (a random row's check:
         pagoda_check_draft, one draw a position); the others through the torch path's own steps
         (_verify_processed)."""
-        n, vocab = len(drafts), logits.shape[1]
+        n = len(drafts)
         if self.lib is None or not takes_steps(row.params, len(row.output_token_ids)):
             return self._verify_processed(logits, drafts, row)
         if row.params.greedy:
@@ -527,26 +527,34 @@ class Sampler:
         out = SamplerOutput([], [], [])
         if logits.stride(1) != 1:
             logits = logits.contiguous()
-        logprob = array("d", [0.0])
-        p = row.params
-        top_k = p.top_k if 0 < p.top_k < vocab else vocab
         for j, d in enumerate(drafts):  # one row at a time: most checks end at the first draft
-            t = self.lib.pagoda_check_draft(logits[j].data_ptr(), vocab, p.temperature, top_k, p.top_p, p.min_p, d,
-                                            row.uniforms.next(), _address(logprob))
-            out.append(t, logprob[0])
+            t, logprob = self._check_draft(logits[j], d, row)
+            out.append(t, logprob)
             if t != d:
                 return out
         ids, lps = self._sample_fused(logits[n: n + 1], [row], [0])
         out.append(ids[0], lps[0])
         return out
 
+    def _check_draft(self, x: torch.Tensor, d: int, row: SamplingRow,
+                     raw: torch.Tensor | None = None) -> tuple[int, float]:
+        """pagoda_check_draft on a random row's logits x (vocab,), contiguous float32 (raw: the logits before x's
+        processing, for the logprob): the token and its raw logprob, one draw from the row's stream."""
+        p, vocab = row.params, x.shape[0]
+        logprob = array("d", [0.0])
+        t = self.lib.pagoda_check_draft(x.data_ptr(), vocab, p.temperature, p.top_k if 0 < p.top_k < vocab else vocab,
+                                        p.top_p, p.min_p, d, row.uniforms.next(), _address(logprob),
+                                        None if raw is None else raw.data_ptr())
+        return t, logprob[0]
+
     def _verify_processed(self, logits: torch.Tensor, drafts: list[int], row: SamplingRow) -> SamplerOutput:
         """verify for a row with logprobs, bias, penalties, a min_tokens block or filters, position by position,
         each seeing the drafts before it among the row's outputs. A greedy row's positions, and the last one of a
         random row's, are sampled by the sampler itself (__call__ on that one row): the tokens, logprobs and top
         logprobs of steps one by one. A random row's draft d is kept against the step's distribution after its
-        processing, temperature and filters, as __call__'s torch path computes it, else the token is drawn from it
-        without d."""
+        processing, temperature and filters, else the token is drawn from it without d: by the C++ check on the
+        processed row where the pass is built and the logits are float32 on the CPU, else as __call__'s torch path
+        computes that distribution."""
         out = SamplerOutput([], [], [])
         for j in range(len(drafts) + 1):
             at = replace(row, output_token_ids=[*row.output_token_ids, *drafts[:j]])  # the row at position j
@@ -555,6 +563,10 @@ class Sampler:
             if row.params.greedy or d < 0:
                 step = self(x, [at])
                 t, logprob, top = step.token_ids[0], step.logprobs[0], step.top_logprobs[0]
+            elif self.lib is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+                t, logprob = self._check_draft(apply_logit_processing(x, [at])[0].contiguous(), d, at,
+                                               raw=x[0].contiguous())
+                top = _top_logprobs(x, [t], [at])[0]
             else:
                 w = _weights(apply_logit_processing(x, [at]), [at])
                 if row.uniforms.next() * float(w.sum(dtype=torch.float64)) < float(w[0, d]):

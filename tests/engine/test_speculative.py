@@ -272,7 +272,7 @@ def test_the_draft_check_pass_matches_torch(filters: dict) -> None:
         for d in (int(order[0]), int(order[3]), 17, 999):
             def check(u: float, t: float = t, d: int = d) -> int:
                 got = sampler.lib.pagoda_check_draft(x.data_ptr(), vocab, t, k, filters.get("top_p", 1.0),
-                                                     filters.get("min_p", 0.0), d, u, lp.buffer_info()[0])
+                                                     filters.get("min_p", 0.0), d, u, lp.buffer_info()[0], None)
                 assert lp[0] == pytest.approx(float(x[got] - torch.logsumexp(x.double(), 0)), abs=1e-6)
                 return got
             p_d = float(p[d])
@@ -337,8 +337,12 @@ def test_filtered_random_rows_keep_the_step_distribution(filters: dict) -> None:
     for draft in (3, 1, 5):
         row = SamplingRow(params, UniformStream(torch.Generator().manual_seed(draft)), [], [0, 4], frozenset())
         counts = torch.zeros(vocab, dtype=torch.float64)
-        for _ in range(trials):
-            counts[sampler.verify(logits, [draft], row).token_ids[0]] += 1
+        raw = torch.log_softmax(logits[0].double(), 0)
+        for i in range(trials):
+            got = sampler.verify(logits, [draft], row)
+            counts[got.token_ids[0]] += 1
+            if i < 50:  # the logprob is the raw distribution's, whatever the processing
+                assert got.logprobs[0] == pytest.approx(float(raw[got.token_ids[0]]), abs=1e-5)
         freq = counts / trials
         assert torch.all((freq - p).abs() <= 4.5 * (p * (1 - p) / trials).sqrt() + 1e-9), (draft, freq, p)
 

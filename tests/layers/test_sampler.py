@@ -501,7 +501,7 @@ def test_fused_pass_at_narrower_vector_widths(width: int) -> None:
         ids = sampler(logits[: len(rows)], rows).token_ids
         lp = array("d", [0.0])
         checks = [sampler.lib.pagoda_check_draft(logits[i].data_ptr(), 1003, 0.7, 40, 0.9, 0.0, d, u,
-                                                 lp.buffer_info()[0])
+                                                 lp.buffer_info()[0], None)
                   for i, (d, u) in enumerate([(5, 0.3), (7, 0.9), (int(logits[2].argmax()), 0.2)])]
         return ids, checks
 
