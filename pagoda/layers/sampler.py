@@ -18,10 +18,10 @@ before bias, penalties and temperature), as vLLM reports them by default.
 
 Float32 rows on the CPU can run in one C++ pass instead (`sampler.cpp`, once `Sampler.enable_fused` built it):
 greedy, or random with a temperature and any of top-k, top-p and min-p; a row with a bias, penalties or a
-min_tokens block is processed by the torch code's ops first (_process_rows), and its logprob taken from the logits
-as given. Same semantics, its own float32 rounding (the source's header says what that changes). Which path a row
-takes depends on the row and the logits' dtype and device alone, so a seed still gives the same tokens whatever
-else is in the batch.
+min_tokens block is processed first (pagoda_process_row, the torch code's _process_rows in C++), and its logprob
+taken from the logits as given. Same semantics, its own float32 rounding (the source's header says what that
+changes). Which path a row takes depends on the row and the logits' dtype and device alone, so a seed still gives
+the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ def _needs_logit_processing(p: SamplingParams, num_output_tokens: int) -> bool:
 def _process_rows(x: torch.Tensor, rows: list[SamplingRow], which: Sequence[int]) -> None:
     """Applies bias, min_tokens and penalties to rows `which` of logits x (rows[j] the row of x[j]), in place: each
     kind as a few ops over the (row, token) pairs of all the rows at once, not per row (~130 us a row for a
-    repetition penalty alone, BENCHMARKS.md)."""
+    repetition penalty alone, BENCHMARKS.md). The torch path's; the C++ pass's rows go through
+    Sampler._process_fused, the same arithmetic."""
     device, vocab = x.device, x.shape[1]
 
     def index(values: list[int]) -> torch.Tensor:
@@ -409,6 +410,8 @@ def _library(extra_flags: tuple[str, ...] = ()) -> Any:
     f32 = ctypes.c_float
     lib.pagoda_check_draft.argtypes = [ptr, i64, f32, i64, f32, f32, i64, ctypes.c_double, ptr, ptr]
     lib.pagoda_check_draft.restype = i64
+    lib.pagoda_process_row.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, f32, ptr, i64, f32, f32, ptr]
+    lib.pagoda_process_row.restype = None
     return lib
 
 
@@ -430,6 +433,7 @@ class Sampler:
 
     def __init__(self) -> None:
         self.lib: Any = None  # sampler.cpp, once enable_fused built it
+        self._counts = array("i")  # pagoda_process_row's scratch: one int32 a token, all 0 between calls
 
     def enable_fused(self) -> float:
         """Build (or load from the cache) the C++ pass; its seconds. If building fails (logged), every row keeps the
@@ -465,9 +469,9 @@ class Sampler:
                     token_ids[i], logprobs[i] = ids[j], lps[j]
             taken = set(fused)
             processed = [i for i in range(n) if i not in taken]
-            if processed:  # their rows copied and processed in torch (a few ops for all of them), then the same pass
+            if processed:  # their rows copied and processed, then the same pass
                 x = logits[torch.tensor(processed, dtype=torch.long, device=logits.device)]  # a copy
-                _process_rows(x, [rows[i] for i in processed], range(len(processed)))
+                self._process_fused(x, [rows[i] for i in processed])
                 ids, lps = self._sample_fused(x, [rows[i] for i in processed], range(len(processed)),
                                               raw=(logits, processed))
                 for j, i in enumerate(processed):
@@ -536,6 +540,26 @@ class Sampler:
         out.append(ids[0], lps[0])
         return out
 
+    def _process_fused(self, x: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """_process_rows on every row of x (contiguous float32 on the CPU; rows[j] the row of x[j]), in place, by
+        pagoda_process_row: the same float32 arithmetic, one call a row instead of ~15 torch ops for them all (one
+        stream with a repetition penalty lost ~1.6 ms a token to them, BENCHMARKS.md)."""
+        vocab = x.shape[1]
+        if len(self._counts) < vocab:
+            self._counts = array("i", bytes(4 * vocab))
+        for j, row in enumerate(rows):
+            p, outputs = row.params, row.output_token_ids
+            bias = p.logit_bias or {}
+            bias_ids, bias_values = array("q", bias), array("f", bias.values())
+            blocked = array("q", [t for t in row.eos_token_ids.union(p.stop_token_ids or []) if t < vocab]
+                            if len(outputs) < p.min_tokens else [])
+            seen = array("q", [*row.prompt_token_ids, *outputs] if p.repetition_penalty != 1.0 else [])
+            counted = array("q", outputs if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 else [])
+            self.lib.pagoda_process_row(x[j].data_ptr(), _address(bias_ids), _address(bias_values), len(bias_ids),
+                                        _address(blocked), len(blocked), _address(seen), len(seen),
+                                        p.repetition_penalty, _address(counted), len(counted), p.frequency_penalty,
+                                        p.presence_penalty, _address(self._counts))
+
     def _check_draft(self, x: torch.Tensor, d: int, row: SamplingRow,
                      raw: torch.Tensor | None = None) -> tuple[int, float]:
         """pagoda_check_draft on a random row's logits x (vocab,), contiguous float32 (raw: the logits before x's
@@ -564,8 +588,9 @@ class Sampler:
                 step = self(x, [at])
                 t, logprob, top = step.token_ids[0], step.logprobs[0], step.top_logprobs[0]
             elif self.lib is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-                t, logprob = self._check_draft(apply_logit_processing(x, [at])[0].contiguous(), d, at,
-                                               raw=x[0].contiguous())
+                processed = x.clone()
+                self._process_fused(processed, [at])
+                t, logprob = self._check_draft(processed[0], d, at, raw=x[0].contiguous())
                 top = _top_logprobs(x, [t], [at])[0]
             else:
                 w = _weights(apply_logit_processing(x, [at]), [at])

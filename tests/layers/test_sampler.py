@@ -229,19 +229,39 @@ def test_processing_rows_together_equals_each_alone() -> None:
     """The bias, min_tokens and penalties of many rows applied at once (pairs of row and token for all of them) give
     each row what it gets alone, bit for bit: no row's tokens or values reach another's."""
     logits = _logits(9, seed=9)
+    rows = _processing_rows()
+    together = apply_logit_processing(logits, rows)
+    for i, row in enumerate(rows):
+        assert torch.equal(together[i], apply_logit_processing(logits[i: i + 1], [row])[0]), row.params
+    assert not torch.equal(together, logits)
+
+
+def _processing_rows() -> list[SamplingRow]:
+    """Nine rows with biases, min_tokens blocks and penalties, alone and together (one with none), and prompts and
+    outputs whose ids repeat."""
     params: list[dict[str, Any]] = [
         dict(repetition_penalty=1.5), dict(), dict(frequency_penalty=0.7, presence_penalty=-0.3),
         dict(logit_bias={1: 3.0, 49: -2.0}, repetition_penalty=0.8), dict(min_tokens=5, stop_token_ids=[7]),
         dict(presence_penalty=1.0, min_tokens=1), dict(repetition_penalty=1.2, frequency_penalty=0.2),
         dict(logit_bias={0: 1.0}), dict(repetition_penalty=2.0, presence_penalty=0.5, logit_bias={5: -1.0})]
     rng = torch.Generator().manual_seed(2)
-    rows = [_row(prompt=torch.randint(VOCAB, (5 + i,), generator=rng).tolist(),
+    return [_row(prompt=torch.randint(VOCAB, (5 + i,), generator=rng).tolist(),
                  output=torch.randint(8, (i,), generator=rng).tolist(), eos=frozenset({i}), **p)
             for i, p in enumerate(params)]
-    together = apply_logit_processing(logits, rows)
-    for i, row in enumerate(rows):
-        assert torch.equal(together[i], apply_logit_processing(logits[i: i + 1], [row])[0]), params[i]
-    assert not torch.equal(together, logits)
+
+
+def test_fused_processing_equals_the_torch_ops() -> None:
+    """pagoda_process_row (bias, min_tokens block, repetition over distinct ids, frequency and presence by count) on
+    each row gives the torch ops' processed logits bit for bit, ids repeated in prompt and outputs included; its
+    scratch is left clear (a second call gives the same)."""
+    logits = _logits(9, seed=9)
+    rows = _processing_rows()
+    want = apply_logit_processing(logits, rows)
+    sampler = _fused_sampler()
+    for _ in range(2):
+        x = logits.clone()
+        sampler._process_fused(x, rows)
+        assert torch.equal(x, want)
 
 
 def test_rows_without_penalties_cost_nothing() -> None:
