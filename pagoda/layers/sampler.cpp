@@ -345,8 +345,9 @@ extern "C" void pagoda_sample(const float* x, const int64_t* rows, int64_t R, in
     const float t = temps[r];
     const bool filtered = t > 0.0f && top_k != nullptr && (top_k[r] < V || top_p[r] < 1.0f || min_p[r] > 0.0f);
     double* cdf = t > 0.0f && !filtered ? work + r * chunks : nullptr;
-    double lse = chunk_sums(row, V, m, t, cdf);
+    // the logprob's logsumexp from the row as given: a processed row's raw one, in a pass of its own
     const float* raw_row = raw != nullptr ? raw + raw_rows[r] * raw_stride : row;
+    double lse = raw_row == row || cdf != nullptr ? chunk_sums(row, V, m, t, cdf) : 0.0;
     if (raw_row != row) lse = chunk_sums(raw_row, V, row_max(raw_row, V), 1.0f, nullptr);
     int64_t chosen = -1;
     if (filtered) {
