@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, PrefixHit
@@ -42,10 +42,8 @@ class Scheduler:
         # The most decode steps a call runs (_decode_steps): config.num_scheduler_steps, or 1 where the engine's
         # model cannot take several (LLMEngine sets it)
         self.max_decode_steps = config.num_scheduler_steps
-        # Whether a request's row is one that several steps in one call take (the sampler's rule; LLMEngine sets
-        # it, and the most rows such a call takes, max_steps_rows): a step with any other runs alone, and no blocks
-        # are given ahead for steps that would not run
-        self.takes_steps: Callable[[Request], bool] = lambda req: True
+        # The most rows a call of several steps or drafts takes (LLMEngine sets it): a step with more runs alone, and
+        # no blocks are given ahead for steps that would not run
         self.max_steps_rows = sys.maxsize
         # Draft tokens for decode steps (--num-speculative-tokens; LLMEngine drops it where the runner cannot verify
         # them), and what became of them
@@ -125,13 +123,13 @@ class Scheduler:
 
     def _decode_steps(self, seqs: list[ScheduledSeq]) -> int:
         """How many decode steps this step runs (max_decode_steps at most): several only where it is
-        decodes alone, of rows such a call takes (takes_steps, max_steps_rows), and nothing waits (a request that
+        decodes alone, of at most the rows such a call takes (max_steps_rows), and nothing waits (a request that
         arrives waits for the whole call; one waiting already would have waited num_scheduler_steps steps), at most
         as many as every request may still generate, and only where each gets the blocks of all of them now (else
         one; blocks already given stay with their requests, which fill them next). Where a request stops early
         (EOS, a stop string), the tokens computed past its end are dropped."""
         n = self.max_decode_steps
-        if n == 1 or self.waiting or len(seqs) > self.max_steps_rows or not self._call_decodes(seqs, steps=True):
+        if n == 1 or self.waiting or len(seqs) > self.max_steps_rows or not self._call_decodes(seqs):
             return 1
         for s in seqs:
             req = s.request
@@ -142,19 +140,17 @@ class Scheduler:
             return n
         return 1
 
-    def _call_decodes(self, seqs: list[ScheduledSeq], steps: bool) -> bool:
+    def _call_decodes(self, seqs: list[ScheduledSeq]) -> bool:
         """Whether the step is decodes alone (each one token that samples): what several decode steps a call and
-        draft tokens both ask of a step; for several steps (steps), also of rows such a call samples (takes_steps;
-        the check of drafts takes any row: Sampler.verify)."""
-        return bool(seqs) and all(s.num_new_tokens == 1 and s.samples and (not steps or self.takes_steps(s.request))
-                                  for s in seqs)
+        draft tokens both ask of a step (any row: the sampler takes every kind in both)."""
+        return bool(seqs) and all(s.num_new_tokens == 1 and s.samples for s in seqs)
 
     def _propose(self, seqs: list[ScheduledSeq]) -> None:
         """Draft tokens for the step's decodes, where it is decodes alone (no waiting request could be admitted
         this step, so drafts take no room from one) of at most speculative_disable_by_batch_size sequences: each
         gets the proposer's drafts where they fit the token budget, the verifying call's rows (max_steps_rows) and
         what the request may still generate past this step's token, and their blocks now (else none)."""
-        if len(seqs) > self.config.speculative_disable_by_batch_size or not self._call_decodes(seqs, steps=False):
+        if len(seqs) > self.config.speculative_disable_by_batch_size or not self._call_decodes(seqs):
             return
         assert self.proposer is not None
         rows = len(seqs)

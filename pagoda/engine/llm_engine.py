@@ -20,7 +20,6 @@ from pagoda.engine.output_processor import ParentState, new_parent
 from pagoda.layers.attention import PagedKVCache, get_attention_backend
 from pagoda.layers.linear import enable_gemv, prepack_linears, should_prepack, tiles_of
 from pagoda.layers.q4_linear import packed_of, quantize_linears
-from pagoda.layers.sampler import takes_steps
 from pagoda.model.loader import load_model
 from pagoda.outputs import RequestOutput
 from pagoda.profiler import NULL_PROFILER, StepProfiler
@@ -216,7 +215,7 @@ class LLMEngine:
         """Several decode steps in one call (--num-scheduler-steps) and draft tokens verified in one call
         (--num-speculative-tokens) both run through the one-call decode forward with its lm_head in the call and the
         sampler's fused pass: where those are not there, the scheduler plans neither (it would give blocks ahead, or
-        propose drafts, that nothing takes); where they are, it plans them only for the rows the call takes."""
+        propose drafts, that nothing takes); where they are, it plans them for at most the rows the call takes."""
         sched, one_call = self.scheduler, self.model.one_stream_forward
         steps, drafts = config.scheduler.num_scheduler_steps, config.scheduler.num_speculative_tokens
         if steps == 1 and not drafts:
@@ -229,7 +228,6 @@ class LLMEngine:
             sched.max_decode_steps = 1
             sched.proposer = None
             return
-        sched.takes_steps = lambda req: takes_steps(req.params, req.num_output_tokens)
         sched.max_steps_rows = one_call.steps_rows
         if sched.proposer is not None:  # all but float32 weights, whose rows cost least (NgramProposer's figures)
             sched.proposer.adaptive = config.model.quantization != "none" or config.model.torch_dtype != torch.float32

@@ -1,6 +1,6 @@
 // The sampler's rows in passes over their logits: greedy rows, random rows with a temperature, and random rows with
-// top-k, top-p or min-p filters (pagoda/layers/sampler.py picks them, after it has processed the rows with a bias,
-// penalties or a min_tokens block in torch). In torch a plain random row is 8-9 ops, each a pass over (rows x vocab)
+// top-k, top-p or min-p filters (pagoda/layers/sampler.py picks them), each processed first where it has a bias,
+// penalties or a min_tokens block (in place, and put back after). In torch a plain random row is 8-9 ops, each a pass over (rows x vocab)
 // float32 logits: divide by the temperature, max, subtract, exp, the chunk sums of the inverse-CDF search, and a
 // logsumexp for the chosen token's logprob (BENCHMARKS.md, "A fused pass for the sampler's plain rows"); a filtered
 // row adds a top-k of 64 (and of 1,024 where the nucleus is not among 64), a sort of them and a scatter back.
@@ -327,28 +327,112 @@ static double chunk_sums(const float* row, int64_t V, float m, float t, double* 
   return double(m) + std::log(raw);
 }
 
+// A row's logit processing, as pagoda/layers/sampler.py's _Processing gives it: biases (n_bias ids and values),
+// blocked ids (a min_tokens block), the repetition penalty over seen (prompt and outputs), frequency and presence
+// penalties over outputs; saved_ids / saved: room for n_bias + n_blocked + n_seen + n_outputs changes.
+struct Processing {
+  const int64_t* bias_ids;
+  const float* bias;
+  int64_t n_bias;
+  const int64_t* blocked;
+  int64_t n_blocked;
+  const int64_t* seen;
+  int64_t n_seen;
+  float repetition;
+  const int64_t* outputs;
+  int64_t n_outputs;
+  float frequency;
+  float presence;
+  int64_t* saved_ids;
+  float* saved;
+};
+
+// A row's logit processing (pagoda/layers/sampler.py's _process_rows for one row, in place, the same float32
+// arithmetic): the biases added, the blocked ids set to -inf, the repetition penalty over the distinct ids of seen (a
+// positive logit divided by it, a negative one multiplied), then frequency * count + presence taken from each output
+// id's logit. In torch that is ~15 small ops, ~100 us each in a step's Python after the weights' stream; here one
+// call. Each entry's value before each change goes to p's saved_ids / saved (restore_row puts them back); returns
+// how many.
+extern "C" int64_t pagoda_process_row(float* x, int64_t V, const Processing* p) {
+  static thread_local std::vector<int32_t> counts;  // one a token, all 0 between calls
+  if (int64_t(counts.size()) < V) counts.assign(V, 0);
+  int64_t n = 0;
+  auto save = [&](int64_t t) {
+    p->saved_ids[n] = t;
+    p->saved[n++] = x[t];
+  };
+  for (int64_t i = 0; i < p->n_bias; ++i) {
+    save(p->bias_ids[i]);
+    x[p->bias_ids[i]] += p->bias[i];
+  }
+  for (int64_t i = 0; i < p->n_blocked; ++i) {
+    save(p->blocked[i]);
+    x[p->blocked[i]] = -std::numeric_limits<float>::infinity();
+  }
+  if (p->repetition != 1.0f) {
+    for (int64_t i = 0; i < p->n_seen; ++i) {
+      const int64_t t = p->seen[i];
+      if (counts[t] != 0) continue;  // once an id
+      counts[t] = 1;
+      save(t);
+      x[t] = x[t] > 0.0f ? x[t] / p->repetition : x[t] * p->repetition;
+    }
+    for (int64_t i = 0; i < p->n_seen; ++i) counts[p->seen[i]] = 0;
+  }
+  if (p->frequency != 0.0f || p->presence != 0.0f) {
+    for (int64_t i = 0; i < p->n_outputs; ++i) ++counts[p->outputs[i]];
+    for (int64_t i = 0; i < p->n_outputs; ++i) {
+      const int64_t t = p->outputs[i];
+      if (counts[t] == 0) continue;  // taken already
+      const float penalty = p->frequency * float(counts[t]) + p->presence;
+      save(t);
+      x[t] -= penalty;
+      counts[t] = 0;
+    }
+  }
+  return n;
+}
+
+// Undoes pagoda_process_row's n changes to x: the saved values put back, the last change first, so that each entry
+// ends as it was before its first.
+static void restore_row(float* x, const Processing* p, int64_t n) {
+  for (int64_t i = n - 1; i >= 0; --i) x[p->saved_ids[i]] = p->saved[i];
+}
+
+// Where a row has processing: its logsumexp as given (the logprobs are of the logits before processing), then the
+// row processed in place; returns the number of changes (for restore_row) and the logsumexp in lse.
+static int64_t process(float* row, int64_t V, const Processing* p, double& lse) {
+  lse = chunk_sums(row, V, row_max(row, V), 1.0f, nullptr);
+  return pagoda_process_row(row, V, p);
+}
+
 // x: logits, row r at x + rows[r] * stride, V entries; temps (R,): 0 for greedy; top_k (R,), top_p (R,), min_p
 // (R,): each random row's filters (V, 1 and 0 for none; the three may be null: no row has any); u (R,): each
 // random row's uniform draw in [0, 1) (ignored for greedy rows); ids (R,) and logprobs (R,) out: the chosen token
 // and its raw logprob (logit - logsumexp over the row, before the temperature). work: R * ceil(V / CHUNK) float64.
-// raw: null, or the logits the logprobs are of where x holds them processed (bias, penalties, a min_tokens block),
-// row r at raw + raw_rows[r] * raw_stride.
-extern "C" void pagoda_sample(const float* x, const int64_t* rows, int64_t R, int64_t V, int64_t stride,
+// processing: null (no row has any), or R pointers, row r's Processing or null: a row with one is processed in
+// place first and put back after, its logprob that of the row as given.
+extern "C" void pagoda_sample(float* x, const int64_t* rows, int64_t R, int64_t V, int64_t stride,
                               const float* temps, const int64_t* top_k, const float* top_p, const float* min_p,
-                              const double* u, int64_t* ids, double* logprobs, double* work, const float* raw,
-                              const int64_t* raw_rows, int64_t raw_stride) {
+                              const double* u, int64_t* ids, double* logprobs, double* work,
+                              const Processing* const* processing) {
   const int64_t chunks = (V + CHUNK - 1) / CHUNK;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < R; ++r) {
-    const float* row = x + rows[r] * stride;
+    float* row = x + rows[r] * stride;
+    const Processing* proc = processing != nullptr ? processing[r] : nullptr;
+    double lse = 0.0;
+    const int64_t changed = proc != nullptr ? process(row, V, proc, lse) : 0;
     const float m = row_max(row, V);
     const float t = temps[r];
     const bool filtered = t > 0.0f && top_k != nullptr && (top_k[r] < V || top_p[r] < 1.0f || min_p[r] > 0.0f);
     double* cdf = t > 0.0f && !filtered ? work + r * chunks : nullptr;
-    // the logprob's logsumexp from the row as given: a processed row's raw one, in a pass of its own
-    const float* raw_row = raw != nullptr ? raw + raw_rows[r] * raw_stride : row;
-    double lse = raw_row == row || cdf != nullptr ? chunk_sums(row, V, m, t, cdf) : 0.0;
-    if (raw_row != row) lse = chunk_sums(raw_row, V, row_max(raw_row, V), 1.0f, nullptr);
+    // the logprob's logsumexp: the row's own, with the chunk sums of a plain random row's draw (a processed row's
+    // was taken before its processing: its chunk sums here are only for the draw)
+    if (proc == nullptr || cdf != nullptr) {
+      const double own = chunk_sums(row, V, m, t, cdf);
+      if (proc == nullptr) lse = own;
+    }
     int64_t chosen = -1;
     if (filtered) {
       static thread_local std::vector<Candidate> candidates, selected;
@@ -357,8 +441,9 @@ extern "C" void pagoda_sample(const float* x, const int64_t* rows, int64_t R, in
       chosen = search_chunks(row, V, m, 1.0f / t, cdf, u[r] * cdf[chunks - 1]);
     }
     if (chosen < 0) chosen = first_max(row, V, m);  // greedy, or no token with weight (a row of NaN or -inf)
+    if (proc != nullptr) restore_row(row, proc, changed);
     ids[r] = chosen;
-    logprobs[r] = double(raw_row[chosen]) - lse;
+    logprobs[r] = double(row[chosen]) - lse;
   }
 }
 
@@ -367,17 +452,18 @@ extern "C" void pagoda_sample(const float* x, const int64_t* rows, int64_t R, in
 // token drawn from p without d by u' = (u - p(d)) / (1 - p(d)), which given u >= p(d) is uniform in [0, 1): d with
 // probability p(d), t != d with (1 - p(d)) p(t) / (1 - p(d)) = p(t). The same weights and sums as pagoda_sample.
 // Returns the token and its raw logprob (logprob[0]); a broken row (no token with weight) gives its first maximum.
-// raw: null, or the logits the logprob is of where x holds them processed (bias, penalties, a min_tokens block).
-extern "C" int64_t pagoda_check_draft(const float* x, int64_t V, float t, int64_t k, float p, float mp, int64_t d,
-                                      double u, double* logprob, const float* raw) {
+// proc: null, or the row's processing (as pagoda_sample's): x processed in place first and put back after.
+extern "C" int64_t pagoda_check_draft(float* x, int64_t V, float t, int64_t k, float p, float mp, int64_t d,
+                                      double u, double* logprob, const Processing* proc) {
   static thread_local std::vector<Candidate> candidates, selected;
   static thread_local std::vector<double> cdf;
+  double lse = 0.0;  // the row's as given: a processed row's from before its processing
+  const int64_t changed = proc != nullptr ? process(x, V, proc, lse) : 0;
   const float m = row_max(x, V);
   const int64_t chunks = (V + CHUNK - 1) / CHUNK;
   int64_t chosen = -1;
-  double lse;
   if (k < V || p < 1.0f || mp > 0.0f) {
-    lse = chunk_sums(x, V, m, t, nullptr);
+    if (proc == nullptr) lse = chunk_sums(x, V, m, t, nullptr);
     Kept kept;
     if (filtered_kept(x, V, m, t, k, p, mp, candidates, selected, kept)) {
       double total = 0.0, weight = 0.0;
@@ -392,7 +478,8 @@ extern "C" int64_t pagoda_check_draft(const float* x, int64_t V, float t, int64_
     }
   } else {
     cdf.resize(chunks);
-    lse = chunk_sums(x, V, m, t, cdf.data());
+    const double own = chunk_sums(x, V, m, t, cdf.data());
+    if (proc == nullptr) lse = own;
     const float inv_t = 1.0f / t;
     const double weight = exp_neg((x[d] - m) * inv_t), p_d = weight / cdf[chunks - 1];
     if (u < p_d) {
@@ -403,39 +490,7 @@ extern "C" int64_t pagoda_check_draft(const float* x, int64_t V, float t, int64_
     }
   }
   if (chosen < 0) chosen = first_max(x, V, m);  // d the only token with weight; or a broken row
-  if (raw != nullptr) lse = chunk_sums(raw, V, row_max(raw, V), 1.0f, nullptr);
-  *logprob = double((raw != nullptr ? raw : x)[chosen]) - lse;
+  if (proc != nullptr) restore_row(x, proc, changed);
+  *logprob = double(x[chosen]) - lse;
   return chosen;
-}
-
-// A row's logit processing (pagoda/layers/sampler.py's _process_rows for one row, in place, the same float32
-// arithmetic): the biases added, the blocked ids (a min_tokens block) set to -inf, the repetition penalty over the
-// distinct ids of seen (prompt and outputs: a positive logit divided by it, a negative one multiplied), then
-// frequency * count + presence taken from each output id's logit. In torch that is ~15 small ops, ~100 us each in a
-// step's Python after the weights' stream; here one call. counts: V int32 of scratch, all 0 on entry and on return.
-extern "C" void pagoda_process_row(float* x, const int64_t* bias_ids, const float* bias, int64_t n_bias,
-                                   const int64_t* blocked, int64_t n_blocked, const int64_t* seen, int64_t n_seen,
-                                   float repetition, const int64_t* outputs, int64_t n_outputs, float frequency,
-                                   float presence, int32_t* counts) {
-  for (int64_t i = 0; i < n_bias; ++i) x[bias_ids[i]] += bias[i];
-  for (int64_t i = 0; i < n_blocked; ++i) x[blocked[i]] = -std::numeric_limits<float>::infinity();
-  if (repetition != 1.0f) {
-    for (int64_t i = 0; i < n_seen; ++i) {
-      const int64_t t = seen[i];
-      if (counts[t] != 0) continue;  // once an id
-      counts[t] = 1;
-      x[t] = x[t] > 0.0f ? x[t] / repetition : x[t] * repetition;
-    }
-    for (int64_t i = 0; i < n_seen; ++i) counts[seen[i]] = 0;
-  }
-  if (frequency != 0.0f || presence != 0.0f) {
-    for (int64_t i = 0; i < n_outputs; ++i) ++counts[outputs[i]];
-    for (int64_t i = 0; i < n_outputs; ++i) {
-      const int64_t t = outputs[i];
-      if (counts[t] == 0) continue;  // taken already
-      const float penalty = frequency * float(counts[t]) + presence;
-      x[t] -= penalty;
-      counts[t] = 0;
-    }
-  }
 }

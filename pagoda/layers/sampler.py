@@ -18,10 +18,10 @@ before bias, penalties and temperature), as vLLM reports them by default.
 
 Float32 rows on the CPU can run in one C++ pass instead (`sampler.cpp`, once `Sampler.enable_fused` built it):
 greedy, or random with a temperature and any of top-k, top-p and min-p; a row with a bias, penalties or a
-min_tokens block is processed first (pagoda_process_row, the torch code's _process_rows in C++), and its logprob
-taken from the logits as given. Same semantics, its own float32 rounding (the source's header says what that
-changes). Which path a row takes depends on the row and the logits' dtype and device alone, so a seed still gives
-the same tokens whatever else is in the batch.
+min_tokens block is processed first, in place and put back after, in the same pass (pagoda_process_row, the torch
+code's _process_rows in C++), its logprob taken from the logits as given. Same semantics, its own float32 rounding
+(the source's header says what that changes). Which path a row takes depends on the row and the logits' dtype and
+device alone, so a seed still gives the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def _needs_logit_processing(p: SamplingParams, num_output_tokens: int) -> bool:
 def _process_rows(x: torch.Tensor, rows: list[SamplingRow], which: Sequence[int]) -> None:
     """Applies bias, min_tokens and penalties to rows `which` of logits x (rows[j] the row of x[j]), in place: each
     kind as a few ops over the (row, token) pairs of all the rows at once, not per row (~130 us a row for a
-    repetition penalty alone, BENCHMARKS.md). The torch path's; the C++ pass's rows go through
-    Sampler._process_fused, the same arithmetic."""
+    repetition penalty alone, BENCHMARKS.md). The torch path's; the C++ pass processes its rows itself
+    (pagoda_process_row, from _Processing), the same arithmetic."""
     device, vocab = x.device, x.shape[1]
 
     def index(values: list[int]) -> torch.Tensor:
@@ -405,14 +405,40 @@ def _library(extra_flags: tuple[str, ...] = ()) -> Any:
     """sampler.cpp built for this CPU (extra_flags: the tests' narrower vector widths)."""
     lib = load_library(_SOURCE, {"CHUNK": _CDF_CHUNK}, extra_flags)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.pagoda_sample.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64]
+    lib.pagoda_sample.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.pagoda_sample.restype = None
     f32 = ctypes.c_float
     lib.pagoda_check_draft.argtypes = [ptr, i64, f32, i64, f32, f32, i64, ctypes.c_double, ptr, ptr]
     lib.pagoda_check_draft.restype = i64
-    lib.pagoda_process_row.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, f32, ptr, i64, f32, f32, ptr]
-    lib.pagoda_process_row.restype = None
+    lib.pagoda_process_row.argtypes = [ptr, i64, ptr]
+    lib.pagoda_process_row.restype = i64
     return lib
+
+
+class _Processing(ctypes.Structure):
+    """A row's bias, min_tokens block and penalties as sampler.cpp's Processing takes them (pagoda_process_row): the
+    arrays' addresses and lengths, and room for the values its changes replace (put back after the pass)."""
+
+    _fields_ = [("bias_ids", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n_bias", ctypes.c_int64),
+                ("blocked", ctypes.c_void_p), ("n_blocked", ctypes.c_int64),
+                ("seen", ctypes.c_void_p), ("n_seen", ctypes.c_int64), ("repetition", ctypes.c_float),
+                ("outputs", ctypes.c_void_p), ("n_outputs", ctypes.c_int64), ("frequency", ctypes.c_float),
+                ("presence", ctypes.c_float), ("saved_ids", ctypes.c_void_p), ("saved", ctypes.c_void_p)]
+
+    def __init__(self, row: SamplingRow, vocab: int) -> None:
+        p, outputs = row.params, row.output_token_ids
+        bias = p.logit_bias or {}
+        bias_ids, bias_values = array("q", bias), array("f", bias.values())
+        blocked = array("q", [t for t in row.eos_token_ids.union(p.stop_token_ids or []) if t < vocab]
+                        if len(outputs) < p.min_tokens else [])
+        seen = array("q", row.prompt_token_ids) + array("q", outputs) if p.repetition_penalty != 1.0 else array("q")
+        counted = array("q", outputs) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 else array("q")
+        room = len(bias_ids) + len(blocked) + len(seen) + len(counted)
+        saved_ids, saved = array("q", bytes(8 * room)), array("f", bytes(4 * room))
+        super().__init__(_address(bias_ids), _address(bias_values), len(bias_ids), _address(blocked), len(blocked),
+                         _address(seen), len(seen), p.repetition_penalty, _address(counted), len(counted),
+                         p.frequency_penalty, p.presence_penalty, _address(saved_ids), _address(saved))
+        self.arrays = (bias_ids, bias_values, blocked, seen, counted, saved_ids, saved)  # alive while self is
 
 
 def _filtered(p: SamplingParams, vocab: int) -> bool:
@@ -420,11 +446,9 @@ def _filtered(p: SamplingParams, vocab: int) -> bool:
     return not p.greedy and (p.top_p < 1.0 or 0 < p.top_k < vocab or p.min_p > 0.0)
 
 
-def takes_steps(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether a request's row is one that several decode steps in one call sample (Sampler.fused_steps): one with
-    no bias, penalty or min_tokens block now, so in every later step too (a min_tokens block only ends as tokens
-    are added), and without logprobs. The scheduler asks it before it plans such a call (LLMEngine sets
-    Scheduler.takes_steps)."""
+def _plain(params: SamplingParams, num_output_tokens: int) -> bool:
+    """A row the C++ pass samples with nothing else to do: no bias, penalty or min_tokens block now, so in every later
+    step too (a min_tokens block only ends as tokens are added), and no logprobs."""
     return params.logprobs is None and not _needs_logit_processing(params, num_output_tokens)
 
 
@@ -433,7 +457,6 @@ class Sampler:
 
     def __init__(self) -> None:
         self.lib: Any = None  # sampler.cpp, once enable_fused built it
-        self._counts = array("i")  # pagoda_process_row's scratch: one int32 a token, all 0 between calls
 
     def enable_fused(self) -> float:
         """Build (or load from the cache) the C++ pass; its seconds. If building fails (logged), every row keeps the
@@ -460,50 +483,53 @@ class Sampler:
         # sampler's bookkeeping").
         token_ids, logprobs = [0] * n, [0.0] * n
         if self.lib is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
-            if logits.stride(1) != 1:
+            if logits.stride(1) != 1 or logits.stride(0) < vocab:  # rows of their own: processing changes them
                 logits = logits.contiguous()
-            fused = [i for i, r in enumerate(rows) if not _needs_logit_processing(r.params, len(r.output_token_ids))]
-            if fused:
-                ids, lps = self._sample_fused(logits, [rows[i] for i in fused], fused)
-                for j, i in enumerate(fused):
-                    token_ids[i], logprobs[i] = ids[j], lps[j]
-            taken = set(fused)
-            processed = [i for i in range(n) if i not in taken]
-            if processed:  # their rows copied and processed, then the same pass
-                x = logits[torch.tensor(processed, dtype=torch.long, device=logits.device)]  # a copy
-                self._process_fused(x, [rows[i] for i in processed])
-                ids, lps = self._sample_fused(x, [rows[i] for i in processed], range(len(processed)),
-                                              raw=(logits, processed))
-                for j, i in enumerate(processed):
-                    token_ids[i], logprobs[i] = ids[j], lps[j]
+            token_ids, logprobs = self._sample_fused(logits, rows, range(n))
         else:
             ids_t, lps_t = _sample_torch(logits, rows)
             token_ids, logprobs = ids_t.tolist(), lps_t.tolist()
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs,
                              top_logprobs=_top_logprobs(logits, token_ids, rows))
 
-    def fused_steps(self, rows: list[SamplingRow], vocab: int,
-                    steps: int) -> tuple[Callable[[int, torch.Tensor, int], None], array] | None:
+    def fused_steps(self, rows: list[SamplingRow], vocab: int, steps: int) -> tuple[
+            Callable[[int, torch.Tensor, int], None], array, list[list[dict[int, float] | None]]] | None:
         """For several decode steps in one call (OneStreamForward.decode_steps): a function that samples step s's
         logits (len(rows), vocab; float32) into token ids (int64) at an address, as __call__ samples these rows in
-        a step of their own (the same C++ pass and arguments, each random row's draw taken from its stream at each
-        step), and the array it writes their raw logprobs to (steps x rows, float64). None where the pass is not
-        built or a row is not one they take (takes_steps)."""
-        if self.lib is None or not all(takes_steps(r.params, len(r.output_token_ids)) for r in rows):
+        a step of their own, each random row's draw taken from its stream at each step; the array it writes their
+        raw logprobs to (steps x rows, float64); and the list it appends each step's top logprobs to (None for a
+        row without logprobs; nothing where no row asks for them). Rows with nothing but the pass to do (_plain)
+        take the pass directly, its arguments built once; others go through __call__ with the tokens of the call's
+        earlier steps among their outputs (penalties, min_tokens). None where the pass is not built."""
+        if self.lib is None:
             return None
         n = len(rows)
-        args = _PassArrays(rows, range(n), vocab)
         logprobs = array("d", bytes(8 * n * steps))
-        draws = [(i, r.uniforms) for i, r in enumerate(rows) if not r.params.greedy]
-        lib = self.lib
+        tops: list[list[dict[int, float] | None]] = []
+        if all(_plain(r.params, len(r.output_token_ids)) for r in rows):
+            args = _PassArrays(rows, range(n), vocab, [None] * n)
+            draws = [(i, r.uniforms) for i, r in enumerate(rows) if not r.params.greedy]
+            lib = self.lib
 
-        def sample(step: int, logits: torch.Tensor, ids: int) -> None:
-            for i, stream in draws:
-                args.u[i] = stream.next()
-            lib.pagoda_sample(logits.data_ptr(), *args.ahead(logits), ids, _address(logprobs) + 8 * n * step,
-                              args.work_address, None, None, 0)
+            def sample(step: int, logits: torch.Tensor, ids: int) -> None:
+                for i, stream in draws:
+                    args.u[i] = stream.next()
+                lib.pagoda_sample(logits.data_ptr(), *args.ahead(logits), ids, _address(logprobs) + 8 * n * step,
+                                  args.work_address, None)
 
-        return sample, logprobs
+            return sample, logprobs, tops
+        outputs = [list(r.output_token_ids) for r in rows]  # each row's, with the call's tokens so far
+
+        def sample_rows(step: int, logits: torch.Tensor, ids: int) -> None:
+            out = self(logits, [replace(r, output_token_ids=o) for r, o in zip(rows, outputs, strict=True)])
+            got = (ctypes.c_int64 * n).from_address(ids)
+            for i, t in enumerate(out.token_ids):
+                got[i] = t
+                outputs[i].append(t)
+                logprobs[step * n + i] = out.logprobs[i]
+            tops.append(out.top_logprobs)
+
+        return sample_rows, logprobs, tops
 
     def verify(self, logits: torch.Tensor, drafts: list[int], row: SamplingRow) -> SamplerOutput:
         """Speculative decoding's check of one sequence's draft tokens: logits (len(drafts) + 1, vocab) float32, row
@@ -517,12 +543,11 @@ class Sampler:
           (renormalized). A token is then d with probability p(d), and t != d with (1 - p(d)) p(t) / (1 - p(d)) =
           p(t): the distribution of a step of its own (the draws differ, so the tokens of a seeded request do too).
         Where every draft is accepted, the last row gives one more token as a step would. Each position sees the
-        drafts before it among the row's outputs (penalties, min_tokens). Rows that several steps a call take
-        (takes_steps: no logprobs, nothing to process) go through the C++ pass (a random row's check:
-        pagoda_check_draft, one draw a position); the others through the torch path's own steps
-        (_verify_processed)."""
+        drafts before it among the row's outputs (penalties, min_tokens). Rows with nothing but the pass to do
+        (_plain: no logprobs, nothing to process) go through the C++ pass (a random row's check:
+        pagoda_check_draft, one draw a position); the others position by position (_verify_processed)."""
         n = len(drafts)
-        if self.lib is None or not takes_steps(row.params, len(row.output_token_ids)):
+        if self.lib is None or not _plain(row.params, len(row.output_token_ids)):
             return self._verify_processed(logits, drafts, row)
         if row.params.greedy:
             ids, lps = self._sample_fused(logits, [row] * (n + 1), list(range(n + 1)))
@@ -540,35 +565,15 @@ class Sampler:
         out.append(ids[0], lps[0])
         return out
 
-    def _process_fused(self, x: torch.Tensor, rows: list[SamplingRow]) -> None:
-        """_process_rows on every row of x (contiguous float32 on the CPU; rows[j] the row of x[j]), in place, by
-        pagoda_process_row: the same float32 arithmetic, one call a row instead of ~15 torch ops for them all (one
-        stream with a repetition penalty lost ~1.6 ms a token to them, BENCHMARKS.md)."""
-        vocab = x.shape[1]
-        if len(self._counts) < vocab:
-            self._counts = array("i", bytes(4 * vocab))
-        for j, row in enumerate(rows):
-            p, outputs = row.params, row.output_token_ids
-            bias = p.logit_bias or {}
-            bias_ids, bias_values = array("q", bias), array("f", bias.values())
-            blocked = array("q", [t for t in row.eos_token_ids.union(p.stop_token_ids or []) if t < vocab]
-                            if len(outputs) < p.min_tokens else [])
-            seen = array("q", [*row.prompt_token_ids, *outputs] if p.repetition_penalty != 1.0 else [])
-            counted = array("q", outputs if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 else [])
-            self.lib.pagoda_process_row(x[j].data_ptr(), _address(bias_ids), _address(bias_values), len(bias_ids),
-                                        _address(blocked), len(blocked), _address(seen), len(seen),
-                                        p.repetition_penalty, _address(counted), len(counted), p.frequency_penalty,
-                                        p.presence_penalty, _address(self._counts))
-
     def _check_draft(self, x: torch.Tensor, d: int, row: SamplingRow,
-                     raw: torch.Tensor | None = None) -> tuple[int, float]:
-        """pagoda_check_draft on a random row's logits x (vocab,), contiguous float32 (raw: the logits before x's
-        processing, for the logprob): the token and its raw logprob, one draw from the row's stream."""
+                     processing: _Processing | None = None) -> tuple[int, float]:
+        """pagoda_check_draft on a random row's logits x (vocab,), contiguous float32 (processing: the row's, which
+        the call applies in place and puts back): the token and its raw logprob, one draw from the row's stream."""
         p, vocab = row.params, x.shape[0]
         logprob = array("d", [0.0])
         t = self.lib.pagoda_check_draft(x.data_ptr(), vocab, p.temperature, p.top_k if 0 < p.top_k < vocab else vocab,
                                         p.top_p, p.min_p, d, row.uniforms.next(), _address(logprob),
-                                        None if raw is None else raw.data_ptr())
+                                        None if processing is None else ctypes.addressof(processing))
         return t, logprob[0]
 
     def _verify_processed(self, logits: torch.Tensor, drafts: list[int], row: SamplingRow) -> SamplerOutput:
@@ -588,9 +593,10 @@ class Sampler:
                 step = self(x, [at])
                 t, logprob, top = step.token_ids[0], step.logprobs[0], step.top_logprobs[0]
             elif self.lib is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-                processed = x.clone()
-                self._process_fused(processed, [at])
-                t, logprob = self._check_draft(processed[0], d, at, raw=x[0].contiguous())
+                x = x.contiguous()  # its own copy where the row is strided: the check processes it in place
+                processing = (_Processing(at, x.shape[1])
+                              if _needs_logit_processing(at.params, len(at.output_token_ids)) else None)
+                t, logprob = self._check_draft(x[0], d, at, processing)
                 top = _top_logprobs(x, [t], [at])[0]
             else:
                 w = _weights(apply_logit_processing(x, [at]), [at])
@@ -607,18 +613,15 @@ class Sampler:
                 break
         return out
 
-    def _sample_fused(self, logits: torch.Tensor, rows: list[SamplingRow], which: Sequence[int],
-                      raw: tuple[torch.Tensor, list[int]] | None = None) -> tuple[list[int], list[float]]:
-        """The C++ pass over rows `which` of logits (float32, on the CPU), rows[j] the row of logits[which[j]]:
-        their token ids and logprobs. raw: where logits holds the rows processed, the logits before (float32, on the
-        CPU, contiguous rows) and the row of each that the logprobs are of."""
-        if logits.stride(1) != 1:
-            logits = logits.contiguous()
-        raw_args: tuple[int | None, int | None, int] = (None, None, 0)
-        if raw is not None:
-            raw_rows = array("q", raw[1])
-            raw_args = (raw[0].data_ptr(), _address(raw_rows), raw[0].stride(0))
-        args = _PassArrays(rows, which, logits.shape[1])
+    def _sample_fused(self, logits: torch.Tensor, rows: list[SamplingRow],
+                      which: Sequence[int]) -> tuple[list[int], list[float]]:
+        """The C++ pass over rows `which` of logits (float32, on the CPU; rows of their own with unit stride),
+        rows[j] the row of logits[which[j]]: their token ids and raw logprobs. A row with a bias, penalties or a
+        min_tokens block is processed by the pass, in place, and put back."""
+        vocab = logits.shape[1]
+        processing = [_Processing(r, vocab) if _needs_logit_processing(r.params, len(r.output_token_ids)) else None
+                      for r in rows]
+        args = _PassArrays(rows, which, vocab, processing)
         # one draw per random row from its own generator, as the torch path draws it (greedy rows draw none)
         for j, row in enumerate(rows):
             if not row.params.greedy:
@@ -626,16 +629,18 @@ class Sampler:
         n = len(rows)
         ids, lps = array("q", bytes(8 * n)), array("d", bytes(8 * n))
         self.lib.pagoda_sample(logits.data_ptr(), *args.ahead(logits), _address(ids), _address(lps),
-                               args.work_address, *raw_args)
+                               args.work_address, args.processing)
         return ids.tolist(), lps.tolist()
 
 
 class _PassArrays:
     """The C++ pass's arguments for rows (rows[j] at logits row which[j]) other than the logits and the outputs:
     which rows, temperatures, filters (top_k, top_p, min_p: the vocabulary, 1 and 0 where a row has none; null
-    pointers where no row has any), each random row's draw (u, set by the caller) and the work space."""
+    pointers where no row has any), each random row's draw (u, set by the caller), the work space and each row's
+    processing (processing[j], None for none; a null pointer where no row has any)."""
 
-    def __init__(self, rows: Sequence[SamplingRow], which: Sequence[int], vocab: int) -> None:
+    def __init__(self, rows: Sequence[SamplingRow], which: Sequence[int], vocab: int,
+                 processing: list[_Processing | None]) -> None:
         n = len(rows)
         self.vocab = vocab
         self.picks, self.temps = array("q", which), array("f", [r.params.temperature for r in rows])
@@ -646,6 +651,11 @@ class _PassArrays:
         self.u = array("d", bytes(8 * n))
         self.work = array("d", bytes(8 * n * -(-vocab // _CDF_CHUNK)))
         self.work_address = _address(self.work)
+        self.processing: int | None = None
+        if any(x is not None for x in processing):
+            self.kept = processing  # alive while the pointers to them are
+            self.pointers = (ctypes.c_void_p * n)(*[None if x is None else ctypes.addressof(x) for x in processing])
+            self.processing = ctypes.addressof(self.pointers)
 
     def ahead(self, logits: torch.Tensor) -> tuple[int | None, ...]:
         """pagoda_sample's arguments between the logits and the outputs."""

@@ -73,8 +73,8 @@ class ModelRunner:
     def _decode_steps(self, sched: SchedulerOutput, inputs: StepInputs) -> ModelRunnerOutput | None:
         """sched.num_steps decode steps in one call of the one-call forward, each sampled in it as a step of its own
         samples (Sampler.fused_steps): the same tokens as steps taken one by one. None (nothing run, nothing drawn)
-        where that forward does not take the step, a row is not one the sampler's C++ pass takes or asks for
-        logprobs: the step then runs alone, its later blocks filled by the next steps."""
+        where that forward does not take the step or the sampler's C++ pass is not built: the step then runs alone,
+        its later blocks filled by the next steps."""
         one_call = self.model.one_stream_forward
         if one_call is None or not one_call.applies(inputs.meta) or len(inputs.sample_seqs) != len(sched.seqs):
             return None
@@ -82,9 +82,10 @@ class ModelRunner:
                                          sched.num_steps)
         if fused is None:
             return None
-        sample, logprobs = fused
+        sample, logprobs, tops = fused
         b = len(sched.seqs)
-        # the tokens that stop each row (these rows have no min_tokens left to wait for), and the rows not stopped
+        # the tokens that stop each row (a row's min_tokens block keeps them from being sampled), and the rows not
+        # stopped
         stops = [s.request.stop_tokens for s in sched.seqs]
         running = set(range(b))
 
@@ -104,8 +105,8 @@ class ModelRunner:
         tokens, steps = done
         out = ModelRunnerOutput()
         for i, s in enumerate(sched.seqs):
-            out.add(s.request.request_id, [SampledToken(tokens[(k + 1) * b + i], logprobs[k * b + i])
-                                           for k in range(steps)])
+            out.add(s.request.request_id, [SampledToken(tokens[(k + 1) * b + i], logprobs[k * b + i],
+                                                        tops[k][i] if tops else None) for k in range(steps)])
         return out
 
     def _verify(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:

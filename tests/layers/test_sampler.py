@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 from array import array
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from pagoda.layers.sampler import (
     _apply_top_k,
     _apply_top_k_top_p,
     _inverse_cdf,
+    _Processing,
     _sorted_top_k_top_p,
     apply_logit_processing,
     prompt_logprobs,
@@ -260,7 +262,9 @@ def test_fused_processing_equals_the_torch_ops() -> None:
     sampler = _fused_sampler()
     for _ in range(2):
         x = logits.clone()
-        sampler._process_fused(x, rows)
+        for i, row in enumerate(rows):
+            processing = _Processing(row, VOCAB)
+            sampler.lib.pagoda_process_row(x[i].data_ptr(), VOCAB, ctypes.addressof(processing))
         assert torch.equal(x, want)
 
 
@@ -460,15 +464,17 @@ def test_fused_filters_agree_with_the_torch_code(vocab: int, scale: float) -> No
 
 PROCESSING = [dict(logit_bias={3: 30.0, 7: -50.0}), dict(repetition_penalty=1.6), dict(frequency_penalty=1.1),
               dict(presence_penalty=0.8, top_p=0.8), dict(min_tokens=9, top_k=5),
-              dict(repetition_penalty=1.3, min_p=0.1)]
+              dict(repetition_penalty=1.3, min_p=0.1),
+              dict(logit_bias={3: 2.0, 8: -1.0}, repetition_penalty=1.4, frequency_penalty=0.3)]  # ids changed thrice
 
 
 @pytest.mark.parametrize("vocab", [50, 1003])
 def test_fused_pass_on_processed_rows_agrees_with_the_torch_code(vocab: int) -> None:
     """Rows with a bias, penalties or a min_tokens block (processed by the torch ops, then sampled by the C++ pass):
     the tokens the torch code draws, greedy and random, with and without filters, in one batch with plain rows;
-    their logprobs those of the logits as given (raw), not of the processed ones."""
-    logits = _logits(16, seed=5, vocab=vocab)
+    their logprobs those of the logits as given (raw), not of the processed ones; and the logits as given after
+    (the pass processes the rows in place and puts them back, an entry changed three times included)."""
+    logits = _logits(2 * len(PROCESSING) + 4, seed=5, vocab=vocab)
     eos = frozenset({int(logits[0].argmax())})
     params = [dict(temperature=t, seed=i, **p) for i, p in enumerate(PROCESSING) for t in (0.0, 0.9)]
     params += [dict(temperature=0.8, seed=40), dict(temperature=0.0), dict(temperature=1.0, top_p=0.7, seed=41),
@@ -477,9 +483,11 @@ def test_fused_pass_on_processed_rows_agrees_with_the_torch_code(vocab: int) -> 
     def rows() -> list[SamplingRow]:
         return [_row(output=[3, 3, 8, 1], prompt=[7, 2, 3], eos=eos, **p) for p in params]
 
+    given = logits.clone()
     for _ in range(3):  # the same draws each time round: seeded rows
         torch_out = _sample_torch_only(logits, rows())
         fused_out = _fused_sampler()(logits, rows())
+        assert torch.equal(logits, given)
         assert fused_out.token_ids == torch_out.token_ids
         assert fused_out.logprobs == pytest.approx(torch_out.logprobs, abs=1e-5)
     raw = torch.log_softmax(logits.double(), dim=-1)
