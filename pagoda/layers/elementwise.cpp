@@ -69,23 +69,38 @@ constexpr int64_t PARALLEL_MIN = 1 << 15;
 // out = weight * rms_norm(h), h = residual + x (residual updated in place to h) or, with residual null,
 // h = x. x (rows, dim) with row stride xs; residual and out (rows, dim) contiguous; weight (dim).
 // As RMSNorm.forward: h in float32, h * rsqrt(mean(h^2) + eps) rounded to the dtype, then times weight.
+static inline void norm_row(const elem_t* h, const elem_t* weight, elem_t* o, int64_t dim, float eps) {
+  const int64_t vec_end = dim - dim % L;
+  const float inv = rms_inverse(
+      dim, eps, [&](int64_t i) { return load(h + i); }, [&](int64_t i) { return to_f(h[i]); });
+  for (int64_t i = 0; i < vec_end; i += L) store(o + i, load(weight + i) * rnd(load(h + i) * inv));
+  for (int64_t i = vec_end; i < dim; ++i) o[i] = from_f(to_f(weight[i]) * rnd(to_f(h[i]) * inv));
+}
+
 extern "C" void pagoda_add_rms_norm(const elem_t* x, int64_t xs, elem_t* residual, const elem_t* weight, elem_t* out,
                                     int64_t rows, int64_t dim, float eps) {
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN)
   for (int64_t r = 0; r < rows; ++r) {
     const elem_t* h = x + r * xs;
-    const int64_t vec_end = dim - dim % L;
     if (residual != nullptr) {
+      const int64_t vec_end = dim - dim % L;
       elem_t* res = residual + r * dim;
       for (int64_t i = 0; i < vec_end; i += L) store(res + i, load(res + i) + load(h + i));
       for (int64_t i = vec_end; i < dim; ++i) res[i] = from_f(to_f(res[i]) + to_f(h[i]));
       h = res;
     }
-    const float inv = rms_inverse(
-        dim, eps, [&](int64_t i) { return load(h + i); }, [&](int64_t i) { return to_f(h[i]); });
-    elem_t* o = out + r * dim;
-    for (int64_t i = 0; i < vec_end; i += L) store(o + i, load(weight + i) * rnd(load(h + i) * inv));
-    for (int64_t i = vec_end; i < dim; ++i) o[i] = from_f(to_f(weight[i]) * rnd(to_f(h[i]) * inv));
+    norm_row(h, weight, out + r * dim, dim, eps);
+  }
+}
+
+// Qwen3's per-head q and k norms: each of T tokens' heads rows of dim (x + t * xs + h * dim) normalized as
+// pagoda_add_rms_norm normalizes a row (no residual), into out + t * os + h * dim: in place where out is x.
+extern "C" void pagoda_head_rms_norm(const elem_t* x, int64_t xs, int64_t heads, const elem_t* weight, elem_t* out,
+                                     int64_t os, int64_t T, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (T * heads * dim >= PARALLEL_MIN)
+  for (int64_t r = 0; r < T * heads; ++r) {
+    const int64_t t = r / heads, h = r % heads;
+    norm_row(x + t * xs + h * dim, weight, out + t * os + h * dim, dim, eps);
   }
 }
 

@@ -36,9 +36,10 @@ def _library(elem: int, portable: bool = False, rev: str | None = None) -> Any:
     lib = load_library(_SOURCE, {"ELEM": elem} | ({"PORTABLE": 1} if portable else {}), rev=rev)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pagoda_add_rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.pagoda_head_rms_norm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ctypes.c_float]
     lib.pagoda_rotary.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
     lib.pagoda_silu_mul.argtypes = [ptr, ptr, i64, ptr, i64, i64]
-    for fn in (lib.pagoda_add_rms_norm, lib.pagoda_rotary, lib.pagoda_silu_mul):
+    for fn in (lib.pagoda_add_rms_norm, lib.pagoda_head_rms_norm, lib.pagoda_rotary, lib.pagoda_silu_mul):
         fn.restype = None
     return lib
 
@@ -85,6 +86,16 @@ class ElementwiseOps:
             return out, x if residual is None else residual
         h = x if residual is None else residual + x
         return rms_norm(h, weight, eps), h
+
+    def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * rms_norm of each head of x (T, H, D), heads D apart (Qwen3's q and k norms): in the C++ path in
+        place (x's rows are a projection's output, read by nothing else), else a new tensor."""
+        t, heads, dim = x.shape
+        if self._takes(x, weight) and x.stride(2) == 1 and x.stride(1) == dim and weight.is_contiguous():
+            self.lib.pagoda_head_rms_norm(x.data_ptr(), x.stride(0), heads, weight.data_ptr(), x.data_ptr(),
+                                          x.stride(0), t, dim, eps)
+            return x
+        return rms_norm(x, weight, eps)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -124,8 +124,9 @@ class Attention(nn.Module):
         q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, in place in the C++ path
+            q = self.ops.head_rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = self.ops.head_rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         q, k = self.ops.rotary(q, k, cos, sin)
         if one_stream is not None:
             out = self._one_stream_attention(q, k, v, one_stream)

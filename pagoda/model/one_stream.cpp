@@ -24,6 +24,8 @@ using elem_t = uint16_t;  // bfloat16
 using gemv_fn = void (*)(const void* x, const void* w, const void* bias, void* y, int64_t M, int64_t N, int64_t K);
 using norm_fn = void (*)(const void* x, int64_t xs, void* residual, const void* weight, void* out, int64_t rows,
                          int64_t dim, float eps);
+using head_norm_fn = void (*)(const void* x, int64_t xs, int64_t heads, const void* weight, void* out, int64_t os,
+                              int64_t T, int64_t dim, float eps);
 using rotary_fn = void (*)(void* q, int64_t qs, int64_t hq, void* k, int64_t ks, int64_t hk, const void* cos,
                            const void* sin, int64_t T, int64_t d);
 using silu_mul_fn = void (*)(const void* gate, const void* up, int64_t in_stride, void* out, int64_t rows, int64_t n);
@@ -46,10 +48,12 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
 // paged_decode_rows, the lm_head's linear (the GEMV, or a quantized model's Q8_0 kernel, whose signature is the
 // GEMV's), a packed model's MLP in one call (pagoda_packed_mlp, q4_gemm.cpp) or null, and its norms in one call with
 // the linear after them and with the MLP (pagoda_norm_linear, pagoda_norm_mlp; the same bits) or null (a float32
-// model's: the qkv and gate_up projections take the first, the MLP's call where it is taken the second).
+// model's: the qkv and gate_up projections take the first, the MLP's call where it is taken the second), and the
+// per-head norm (pagoda_head_rms_norm).
 // layers: per layer LAYER_PTRS addresses, in this order: input norm weight, qkv weight, qkv bias (or null),
 // o weight, o bias (or null), post-attention norm weight, gate_up weight, down weight, K cache, V cache, K scales, V
-// scales (null for caches without them).
+// scales (null for caches without them), the q and k norms' weights (Qwen3's, applied to each head in place before
+// the rotary embedding; null for models without them).
 // dims: hidden, q heads, KV heads, head_dim, intermediate, 1 where a bfloat16 model's K and V rows go to the cache
 // write as float32 (an int8 cache's write quantizes float32 rows; the eager path converts them too) else 0, the fewest
 // rows that take the MLP in one call (0: never), that call's q8 argument, how embed holds its rows (embed_row's
@@ -68,7 +72,7 @@ using decode_fn = void (*)(const float* q, int64_t q_stride, const void* k, cons
 // reports them; two clock reads a call, ~20 us a step).
 // Returns 0, or 1 without computing anything where a position is past the rotary tables' max_positions rows (the
 // eager forward then raises its index error).
-constexpr int64_t LAYER_PTRS = 12;
+constexpr int64_t LAYER_PTRS = 14;
 enum OneStreamOp {
   OP_NORM, OP_QKV, OP_ROTARY, OP_WRITE_KV, OP_ATTENTION, OP_O, OP_GATE_UP, OP_SILU_MUL, OP_DOWN, OP_LM_HEAD, OP_COUNT
 };
@@ -137,6 +141,7 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
   const bool mlp_call = mlp != nullptr && dims[6] > 0 && B >= dims[6];
   const auto norm_linear = reinterpret_cast<norm_linear_fn>(fns[8]);
   const auto norm_mlp = reinterpret_cast<norm_mlp_fn>(fns[9]);
+  const auto head_norm = reinterpret_cast<head_norm_fn>(fns[10]);
   // a packed model's norms in one call with the linear after them (the qkv projection, the gate_up projection or
   // the MLP where that is one call): the same bits as the norm's call and then the linear's
   const bool norm_calls = PAGODA_ELEM == 0 && norm_linear != nullptr && norm_mlp != nullptr;
@@ -178,6 +183,12 @@ extern "C" int pagoda_one_stream_forward(void* const* fns, void* const* layers, 
         }
       });
       timed(ts, OP_QKV, [&] { gemv(h, p[1], p[2], qkv, B, QKV, H); });
+    }
+    if (p[12] != nullptr) {  // Qwen3's q and k norms, each head in place
+      timed(ts, OP_NORM, [&] {
+        head_norm(qkv, QKV, HQ, p[12], qkv, QKV, B, D, eps);
+        head_norm(qkv + QS, QKV, HKV, p[13], qkv + QS, QKV, B, D, eps);
+      });
     }
     timed(ts, OP_ROTARY, [&] { rotary(qkv, QKV, HQ, qkv + QS, QKV, HKV, cos, sin, B, D); });
     timed(ts, OP_WRITE_KV, [&] {

@@ -18,8 +18,9 @@ Built at start-up (`build`) when every kernel it needs is in use by the eager pa
 whose linears have the GEMV (or all run the same packed kernel, with `--quantization` Q4_1 or Q8_0, or the
 tiles, each with the GEMV's signature), the fused elementwise ops, the cpp attention backend's kernel for a
 cache of the model's dtype (or, under a float32 model, of bfloat16 or float16; or, under either, int8 with a scale
-per token: K and V are rounded or quantized as the eager path's write does it; not fp8, not per-block scales), and no
-per-head q/k norm (Qwen3). Otherwise the model keeps its eager forward (logged).
+per token: K and V are rounded or quantized as the eager path's write does it; not fp8, not per-block scales).
+Qwen3's per-head q and k norms run in it as in the eager path (pagoda_head_rms_norm, in place on the projection's
+rows). Otherwise the model keeps its eager forward (logged).
 `--compile-model` has its own one-stream graph instead.
 """
 
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("one_stream.cpp")
-_LAYER_PTRS = 12  # as in one_stream.cpp
+_LAYER_PTRS = 14  # as in one_stream.cpp
 # The kinds of call the forward can time (one_stream.cpp's OneStreamOp, in its order): `--profile` reports each
 # as forward/one_call/<kind>; where a packed model's MLP is one call, gate_up_proj times all of it.
 OPS = ("norm", "qkv_proj", "rotary", "write_kv", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj",
@@ -131,7 +132,8 @@ class OneStreamForward:
                lm_head[0] if lm_head is not None else linear_fn,
                quantized.lib.pagoda_packed_mlp if mlp_rows and quantized is not None else None,
                quantized.lib.pagoda_norm_linear if norms and quantized is not None else None,
-               quantized.lib.pagoda_norm_mlp if norms and quantized is not None else None]
+               quantized.lib.pagoda_norm_mlp if norms and quantized is not None else None,
+               elementwise.pagoda_head_rms_norm]
         self._fns = (ctypes.c_void_p * len(fns))(*[_address(f) for f in fns])
 
         def ptr(t: torch.Tensor | None) -> int | None:
@@ -151,7 +153,8 @@ class OneStreamForward:
             ptrs += [ptr(layer.input_layernorm.weight), weight(attn.qkv_proj), bias(attn.qkv_proj),
                      weight(attn.o_proj), bias(attn.o_proj), ptr(layer.post_attention_layernorm.weight),
                      weight(mlp.gate_up_proj), weight(mlp.down_proj), ptr(cache.k), ptr(cache.v), ptr(cache.k_scale),
-                     ptr(cache.v_scale)]
+                     ptr(cache.v_scale), ptr(attn.q_norm.weight if attn.q_norm is not None else None),
+                     ptr(attn.k_norm.weight if attn.k_norm is not None else None)]
         assert len(ptrs) == _LAYER_PTRS * len(layers)
         self._layers = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self._num_layers = len(layers)
@@ -424,8 +427,6 @@ def _unsupported(model: LlamaForCausalLM, kv_caches: list[PagedKVCache]) -> str 
                 if cache.k.dtype == torch.float8_e4m3fn else "")
         return ("the KV cache is not one the cpp kernel reads and the loop writes: the model's dtype, a float32 "
                 "model's bfloat16 or float16, or int8 with a scale per token" + hint)
-    if any(layer.self_attn.q_norm is not None for layer in layers):
-        return "the model has per-head q/k norms"
     tensors = [model.model.embed_tokens.weight, model.model.norm.weight, model.model.rotary.cos,
                model.model.rotary.sin] + [p for layer in layers for p in layer.parameters()]
     if any(not t.is_contiguous() or t.dtype != dtype for t in tensors):

@@ -47,9 +47,7 @@ def test_several_steps_a_call_give_the_tokens_of_single_steps(tiny_model: tuple[
     """Greedy and seeded random requests (without filters, with top-p, with top-k and min-p; with penalties, with a
     bias, presence penalty and top logprobs, with a min_tokens block that ends inside a call), one at a time (one
     stream) or all at once (decode steps of several rows), with max_tokens that are not multiples of the steps a
-    call: token ids, text, logprobs, top logprobs and finish reasons the same, exactly, in fewer engine steps where
-    the one-call forward takes the steps (not the tiny qwen3: its per-head q/k norms keep the eager forward, and
-    every step runs alone)."""
+    call: token ids, text, logprobs, top logprobs and finish reasons the same, exactly, in fewer engine steps."""
     arch, folder = tiny_model
     prompts = _prompts(12)
     filters: list[dict] = [{}, dict(top_p=0.8), dict(top_k=20, min_p=0.05),
@@ -71,10 +69,7 @@ def test_several_steps_a_call_give_the_tokens_of_single_steps(tiny_model: tuple[
     assert results[4] == results[1]
     for r, p in zip(results[1], params, strict=True):  # a stop id may end a row after its min_tokens
         assert len(r[0]) == p.max_tokens or p.min_tokens <= len(r[0]) < p.max_tokens and r[0][-1] in p.stop_token_ids
-    if arch == "qwen3":  # the engine says so at start-up and plans no blocks ahead
-        assert steps[4] == steps[1] and llm.engine.scheduler.max_decode_steps == 1
-    else:
-        assert steps[4] < steps[1] * 0.45
+    assert steps[4] < steps[1] * 0.45
 
 
 def test_a_stop_inside_a_call_drops_the_tokens_after_it(tiny_model: tuple[str, Path],
@@ -83,8 +78,6 @@ def test_a_stop_inside_a_call_drops_the_tokens_after_it(tiny_model: tuple[str, P
     steps one by one end it: its tokens, text and reason the same, the tokens computed after the stop dropped; and
     where every row of a call has stopped (by a token: EOS or a stop id), the call runs no more steps."""
     arch, folder = tiny_model
-    if arch == "qwen3":
-        return  # no one-call forward: nothing runs several steps
     prompt = _prompts(1)[0]
     free = _run(_llm(folder, 1, "float32"), [prompt], [SamplingParams(temperature=0.0, max_tokens=40,
                                                                        ignore_eos=True)])[0]
@@ -206,8 +199,8 @@ def _count_planned_steps(sched: Scheduler) -> list[int]:
 
 def test_rows_with_logprobs_or_penalties_take_several_steps(tiny_model: tuple[str, Path]) -> None:
     """A request asking for logprobs beside one with a repetition penalty, with --num-scheduler-steps 4: the engine
-    plans calls of 4 steps for them (where the one-call forward takes them), and the tokens are those of N = 1."""
-    arch, folder = tiny_model
+    plans calls of 4 steps for them, and the tokens are those of N = 1."""
+    _, folder = tiny_model
     prompts = _prompts(2)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5),
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)]
@@ -218,7 +211,7 @@ def test_rows_with_logprobs_or_penalties_take_several_steps(tiny_model: tuple[st
         results[n] = _run(llm, prompts, params)
     assert results[4] == results[1]
     assert set(steps[1]) == {1}
-    assert (4 in steps[4]) == (arch != "qwen3")
+    assert 4 in steps[4]
 
 
 def test_the_flag_is_checked() -> None:

@@ -365,7 +365,7 @@ def test_greedy_requests_get_the_tokens_of_steps_without_drafts(tiny_model: tupl
                                                                 together: bool) -> None:
     """Greedy requests, one at a time and all at once: token ids, text, logprobs and finish reasons the same,
     exactly (all at once: logprobs within rounding), with drafts proposed and, one at a time, accepted in fewer
-    engine steps (not the tiny qwen3: no one-call forward, so no drafts, logged at start-up)."""
+    engine steps."""
     arch, folder = tiny_model
     prompts = _prompts()
     params = [SamplingParams(temperature=0.0, max_tokens=30 + 7 * i, ignore_eos=True) for i in range(len(prompts))]
@@ -391,14 +391,11 @@ def test_greedy_requests_get_the_tokens_of_steps_without_drafts(tiny_model: tupl
         assert [r[2] for r in results[4]] == pytest.approx([r[2] for r in results[0]], rel=1e-6)
     else:
         assert results[4] == results[0]
-    if arch == "qwen3":
-        assert steps[4] == steps[0] and llm.engine.scheduler.proposer is None
-    else:
-        assert metrics["num_draft_tokens"] > 0
-        proposer = llm.engine.scheduler.proposer
-        assert proposer is not None and proposer.adaptive == (weights != "float32")  # NgramProposer says why
-        if not together:  # all at once, the request that drafts help least sets the steps
-            assert metrics["num_accepted_tokens"] > 0 and steps[4] < steps[0]
+    assert metrics["num_draft_tokens"] > 0
+    proposer = llm.engine.scheduler.proposer
+    assert proposer is not None and proposer.adaptive == (weights != "float32")  # NgramProposer says why
+    if not together:  # all at once, the request that drafts help least sets the steps
+        assert metrics["num_accepted_tokens"] > 0 and steps[4] < steps[0]
 
 
 def _oracle(llm: LLM, prompt: list[int], tokens: list[int], wrong_at: int = -1) -> None:
@@ -421,8 +418,6 @@ def test_stops_among_accepted_drafts_end_the_request_there(tiny_model: tuple[str
     oracle: the greedy continuation) end the request where steps without drafts end it; and a wrong draft gives
     way to the model's token."""
     arch, folder = tiny_model
-    if arch == "qwen3":
-        return  # no one-call forward: no drafts
     prompt = _prompts()[1]
     free = _run(_llm(folder, 0), [prompt], [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)])[0]
     tokens, text = free[0], free[1]
@@ -466,8 +461,7 @@ def test_requests_with_logprobs_penalties_and_bias_get_their_steps_tokens(tiny_m
     assert results[4] == results[0]
     asked = [r for i, r in enumerate(results[4]) if kinds[i % len(kinds)].logprobs is not None]
     assert all(r[3] is not None and len(r[3]) == len(r[0]) for r in asked)
-    if arch != "qwen3":  # no one-call forward there: no drafts
-        assert metrics[4]["num_accepted_tokens"] > 0
+    assert metrics[4]["num_accepted_tokens"] > 0
     sampled = [SamplingParams(temperature=0.9, seed=3, max_tokens=25, ignore_eos=True, top_p=0.8, logprobs=1),
                SamplingParams(temperature=0.9, seed=4, max_tokens=25, ignore_eos=True, top_k=5, min_p=0.05)]
     llm = _llm(folder, 4)
@@ -493,8 +487,6 @@ def test_drafts_under_preemption_and_aborts_keep_the_cache_whole(tiny_model: tup
     preemptions and aborts while drafts are verified leave the block pool's invariants whole after every step,
     every accepted request ends with at most its max_tokens, and every block is handed back."""
     arch, folder = tiny_model
-    if arch == "qwen3":
-        return  # no drafts
     rng = random.Random(1)
     llm = LLM(str(folder), dtype="float32", attention_backend="cpp", num_speculative_tokens=3,
               speculative_disable_by_batch_size=16, kv_cache_memory="96KiB", max_num_seqs=8)

@@ -73,6 +73,29 @@ def test_rotary_in_place_on_a_fused_projection(dtype: torch.dtype, head_dim: int
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 72, 128])  # 72: a vector and a tail
+def test_head_rms_norm_in_place_on_a_fused_projection(dtype: torch.dtype, head_dim: int) -> None:
+    """Qwen3's q and k norms on views of one (T, (Hq + 2 Hkv) D) projection output: each head normalized as torch's
+    rms_norm (the add_rms_norm's row arithmetic, so within its rounding), in place, v untouched; each head alone
+    (a head's values scaled leave the others as they were)."""
+    torch.manual_seed(head_dim)
+    t, hq, hkv = 29, 6, 2
+    qkv = (torch.randn(t, (hq + 2 * hkv) * head_dim) * 3).to(dtype)
+    qkv[:, :head_dim] *= 50  # the first head of every token larger than the rest
+    weights = [(torch.rand(head_dim) + 0.5).to(dtype) for _ in range(2)]
+    views = [qkv[:, : hq * head_dim].view(t, hq, head_dim),
+             qkv[:, hq * head_dim: (hq + hkv) * head_dim].view(t, hkv, head_dim)]
+    v_before = qkv[:, (hq + hkv) * head_dim:].clone()
+    ops, ref = fused(dtype), ElementwiseOps()
+    for x, w in zip(views, weights, strict=True):
+        want = ref.head_rms_norm(x.clone(), w, 1e-6)
+        got = ops.head_rms_norm(x, w, 1e-6)
+        assert got.data_ptr() == x.data_ptr()  # in place
+        close(got, want, dtype)
+    assert torch.equal(qkv[:, (hq + hkv) * head_dim:], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [128, 100])
 @pytest.mark.parametrize("build", [fused, portable])
 def test_silu_mul_on_both_halves_of_one_tensor(dtype: torch.dtype, n: int, build: Any) -> None:

@@ -79,9 +79,6 @@ def test_matches_the_eager_forward_exactly(tiny_model: tuple[str, Path], seeded:
     want_cache = kv_cache_dtype or ("float16" if quantization else dtype)
     assert llm.engine.runner.kv_caches[0].k.dtype == getattr(torch, want_cache)
     model = llm.engine.model
-    if arch == "qwen3":  # per-head q/k norms: not taken
-        assert model.one_stream_forward is None
-        return
     assert model.one_stream_forward is not None
     rows: list[int] = []
     _count_rows(model, rows)
@@ -175,24 +172,22 @@ def test_quantized_norms_fuse_with_the_linear_after_them(tiny_model: tuple[str, 
 
 def test_declines_more_decodes_than_the_gemv_takes(tiny_model: tuple[str, Path]) -> None:
     """Without tiles (--no-prepack-weights), five sequences decoding together (the GEMV takes 1-4 rows; oneDNN's
-    matmuls more) run the eager forward, and give what each gives alone (which the one-call forward computes, except
-    for qwen3)."""
+    matmuls more) run the eager forward, and give what each gives alone (which the one-call forward computes)."""
     arch, folder = tiny_model
     # no prefix caching: a prompt the first run cached could come back as a one-token step
     llm = LLM(str(folder), dtype="bfloat16", attention_backend="cpp", enable_prefix_caching=False,
               prepack_weights=False)
     forward = llm.engine.model.one_stream_forward
+    assert forward is not None
     rows: list[int] = []
-    if forward is not None:
-        _count_rows(llm.engine.model, rows)
+    _count_rows(llm.engine.model, rows)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     together = [o.outputs[0].token_ids for o in llm.generate(_prompts()[1:6], params, use_tqdm=False)]
-    assert (arch == "qwen3") == (forward is None)
-    assert forward is None or (0 in rows and max(rows) <= 4)  # the 5-decode steps declined
+    assert 0 in rows and max(rows) <= 4  # the 5-decode steps declined
     rows.clear()
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in _prompts()[1:6]]
     assert together == alone
-    assert forward is None or rows.count(1) == 5 * 9  # each alone: its 9 decode steps in the one call
+    assert rows.count(1) == 5 * 9  # each alone: its 9 decode steps in the one call
 
 
 @pytest.mark.parametrize("kwargs, reason", [
@@ -226,9 +221,6 @@ def test_batched_decode_steps_match_the_eager_forward(tiny_model: tuple[str, Pat
     llm = LLM(str(folder), dtype=dtype, attention_backend="cpp", enable_prefix_caching=False, max_num_seqs=4,
               quantization=quantization or "none", kv_cache_dtype=kv_cache_dtype or "auto")
     model = llm.engine.model
-    if arch == "qwen3":  # per-head q/k norms: not taken
-        assert model.one_stream_forward is None
-        return
     forward = model.one_stream_forward
     assert forward is not None and forward.max_rows >= 4
     rows: list[int] = []
@@ -261,8 +253,6 @@ def test_quantized_decode_steps_of_many_rows(tiny_model: tuple[str, Path], quant
     from pagoda.layers.q4_linear import amx_min_rows, packed_of, q4_library
 
     arch, folder = tiny_model
-    if arch == "qwen3":
-        return  # no one-call forward (per-head q/k norms)
     llm = LLM(str(folder), dtype="float32", attention_backend="cpp", enable_prefix_caching=False,
               quantization=quantization, max_num_seqs=64, prepack_weights=prepack)
     model = llm.engine.model
@@ -294,8 +284,6 @@ def test_decode_steps_on_tiles(tiny_model: tuple[str, Path], dtype: str, kv_cach
     from pagoda.layers.tied_embedding import TiedEmbedding
 
     arch, folder = tiny_model
-    if arch == "qwen3":
-        return  # no one-call forward (per-head q/k norms)
     if dtype == "bfloat16" and not tiles_library().pagoda_bf16_tiles_enabled():
         pytest.skip("an AVX2 build: bfloat16 linears stay on the GEMV and oneDNN")
     llm = LLM(str(folder), dtype=dtype, attention_backend="cpp", enable_prefix_caching=False, max_num_seqs=64,
@@ -361,8 +349,6 @@ def test_profile_times_one_call_steps_apart(tiny_model: tuple[str, Path]) -> Non
     """`--profile`: one-call steps run no module hooks, so their forward is its own row (forward/one_call), timed by
     kind of call inside it (forward/one_call/<kind>), and the by-kind rows hold only the other steps."""
     arch, folder = tiny_model
-    if arch == "qwen3":
-        return  # no one-call forward (per-head q/k norms)
     llm = LLM(str(folder), dtype="float32", attention_backend="cpp")
     prof = llm.engine.enable_profiling()
     llm.generate([_prompts()[4]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
