@@ -3,32 +3,15 @@
 from __future__ import annotations
 
 import ctypes
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from pagoda.bench.random_model import write_byte_tokenizer
+
 TINY_VOCAB = 300  # 256 byte tokens + a few specials + spare ids
-
-
-def write_byte_tokenizer(folder: Path) -> None:
-    """A byte-level tokenizer (no merges): any text encodes, ids < 256 are bytes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    alphabet = ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])  # ids 256, 257
-    tok.save(str(folder / "tokenizer.json"))
-    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}))
 
 
 ARCHS: dict[str, dict[str, Any]] = {
