@@ -1,9 +1,10 @@
 // The sampler's rows in passes over their logits: greedy rows, random rows with a temperature, and random rows with
 // top-k, top-p or min-p filters (pagoda/layers/sampler.py picks them), each processed first where it has a bias,
-// penalties or a min_tokens block (in place, and put back after). In torch a plain random row is 8-9 ops, each a pass over (rows x vocab)
-// float32 logits: divide by the temperature, max, subtract, exp, the chunk sums of the inverse-CDF search, and a
-// logsumexp for the chosen token's logprob (BENCHMARKS.md, "A fused pass for the sampler's plain rows"); a filtered
-// row adds a top-k of 64 (and of 1,024 where the nucleus is not among 64), a sort of them and a scatter back.
+// penalties or a min_tokens block (in place, and put back after). In torch a plain random row is 8-9 ops, each a
+// pass over (rows x vocab) float32 logits: divide by the temperature, max, subtract, exp, the chunk sums of the
+// inverse-CDF search, and a logsumexp for the chosen token's logprob (BENCHMARKS.md, "A fused pass for the sampler's
+// plain rows"); a filtered row adds a top-k of 64 (and of 1,024 where the nucleus is not among 64), a sort of them
+// and a scatter back.
 //
 // Compiled at start-up by pagoda/layers/sampler.py (through pagoda/layers/cpp_build.py), after
 // cpp_vector.h; PAGODA_CHUNK (the inverse-CDF search's chunk of vocabulary entries) is #defined ahead.
@@ -173,10 +174,11 @@ static void gather(const float* x, int64_t V, float m, float inv_t, float lowest
 static inline bool before(const Candidate& a, const Candidate& b) { return a.x > b.x || (a.x == b.x && a.id < b.id); }
 
 // Top-p's count among n candidates g, the best n tokens in no order: how many of them, best first, come before the
-// first token whose better tokens weigh at least target (p times the mass). g is left with them first, the last of them the worst. A
-// quickselect: each pass puts a pivot in its place, the better tokens before it, and keeps to the side where the
-// count lies, knowing the weight of the side before; the last few candidates are sorted and walked. closed: false
-// where every candidate is kept and their weight still falls short of target (the tokens past them may be kept too).
+// first token whose better tokens weigh at least target (p times the mass). g is left with them first, the last of
+// them the worst. A quickselect: each pass puts a pivot in its place, the better tokens before it, and keeps to the
+// side where the count lies, knowing the weight of the side before; the last few candidates are sorted and walked.
+// closed: false where every candidate is kept and their weight still falls short of target (the tokens past them
+// may be kept too).
 static int64_t nucleus(Candidate* g, int64_t n, double target, bool& closed) {
   double base = 0.0;  // the weight of g[0, lo)
   int64_t lo = 0, hi = n;  // the count lies in (lo, hi]: g[0, lo) kept, each better than g[lo, n)
