@@ -440,6 +440,11 @@ class _Processing(ctypes.Structure):
                          p.frequency_penalty, p.presence_penalty, _address(saved_ids), _address(saved))
         self.arrays = (bias_ids, bias_values, blocked, seen, counted, saved_ids, saved)  # alive while self is
 
+    @classmethod
+    def of(cls, row: SamplingRow, vocab: int) -> _Processing | None:
+        """The row's processing this step, or None where it has none."""
+        return cls(row, vocab) if _needs_logit_processing(row.params, len(row.output_token_ids)) else None
+
 
 def _filtered(p: SamplingParams, vocab: int) -> bool:
     """A random row with top-k, top-p or min-p."""
@@ -594,9 +599,7 @@ class Sampler:
                 t, logprob, top = step.token_ids[0], step.logprobs[0], step.top_logprobs[0]
             elif self.lib is not None and x.dtype == torch.float32 and x.device.type == "cpu":
                 x = x.contiguous()  # its own copy where the row is strided: the check processes it in place
-                processing = (_Processing(at, x.shape[1])
-                              if _needs_logit_processing(at.params, len(at.output_token_ids)) else None)
-                t, logprob = self._check_draft(x[0], d, at, processing)
+                t, logprob = self._check_draft(x[0], d, at, _Processing.of(at, x.shape[1]))
                 top = _top_logprobs(x, [t], [at])[0]
             else:
                 w = _weights(apply_logit_processing(x, [at]), [at])
@@ -619,9 +622,7 @@ class Sampler:
         rows[j] the row of logits[which[j]]: their token ids and raw logprobs. A row with a bias, penalties or a
         min_tokens block is processed by the pass, in place, and put back."""
         vocab = logits.shape[1]
-        processing = [_Processing(r, vocab) if _needs_logit_processing(r.params, len(r.output_token_ids)) else None
-                      for r in rows]
-        args = _PassArrays(rows, which, vocab, processing)
+        args = _PassArrays(rows, which, vocab, [_Processing.of(r, vocab) for r in rows])
         # one draw per random row from its own generator, as the torch path draws it (greedy rows draw none)
         for j, row in enumerate(rows):
             if not row.params.greedy:
