@@ -5,7 +5,7 @@ search alone, two-level (what it does) against one float64 cumulative sum over t
 before).
 
     python -m pagoda.bench.sampler --rows 128 [--keep-freed-memory] [--temperature 0.7 --top-p 0.9 --scale 3]
-        [--repetition-penalty 1.1]
+        [--repetition-penalty 1.1 [--prompt-len 64 --output-len 16] [--convert-ids]]
 
 Normal logits times 3 at temperature 1 put 0.9 of the mass on ~2,000 of 49,152 tokens; times 12, on a few.
 --from-model takes the default model's logits instead (Q4_1): those of its 20th step sampling all of --rows prompts of
@@ -32,6 +32,7 @@ import torch
 
 from pagoda.bench.common import machine_info
 from pagoda.layers.sampler import Sampler, SamplingRow, UniformStream, _inverse_cdf
+from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.host_memory import keep_freed_memory
 
@@ -89,7 +90,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="over each row's 64 prompt and 16 output tokens (random ids)")
+                   help="over each row's prompt and output tokens (random ids)")
+    p.add_argument("--prompt-len", type=int, default=64, help="each row's prompt tokens (random ids)")
+    p.add_argument("--output-len", type=int, default=16, help="each row's output tokens so far (random ids)")
+    p.add_argument("--convert-ids", action="store_true",
+                   help="rows without their request's kept id arrays (SamplingRow.id_arrays): the C++ pass's penalties "
+                        "convert each row's prompt and outputs each step, as before they were kept")
     args = p.parse_args(argv)
     kept = keep_freed_memory() if args.keep_freed_memory else False
     g = torch.Generator().manual_seed(0)
@@ -99,9 +105,14 @@ def main(argv: list[str] | None = None) -> None:
     if not args.from_model:
         logits *= args.scale
     vocab = logits.shape[1]
-    seen = torch.randint(vocab, (args.rows, 80), generator=g).tolist()
-    rows = [SamplingRow(params, UniformStream(torch.Generator().manual_seed(i)), seen[i][:64], seen[i][64:],
-                        frozenset()) for i in range(args.rows)]
+    seen = torch.randint(vocab, (args.rows, args.prompt_len + args.output_len), generator=g).tolist()
+    reqs = [Request(str(i), seen[i][:args.prompt_len], params, frozenset(), len(seen[i]) + 1)
+            for i in range(args.rows)]
+    for r, ids in zip(reqs, seen, strict=True):
+        r.output_token_ids = ids[args.prompt_len:]
+    rows = [SamplingRow(params, UniformStream(torch.Generator().manual_seed(i)), r.prompt_token_ids,
+                        r.output_token_ids, frozenset(), None if args.convert_ids else r.id_arrays)
+            for i, r in enumerate(reqs)]
     weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
     u = torch.rand(args.rows, dtype=torch.float64, generator=g)
     if not torch.equal(_inverse_cdf(weights, u), _full_cumsum_search(weights, u)):  # rounding: should not happen
@@ -112,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         "rows": args.rows, "vocab": vocab, "keeps_freed_memory": kept,
         "logits": "default model" if args.from_model else f"normal x {args.scale}",
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
-        "repetition_penalty": args.repetition_penalty,
+        "repetition_penalty": args.repetition_penalty, "prompt_len": args.prompt_len,
+        "output_len": args.output_len, "kept_id_arrays": not args.convert_ids,
         "sampler_ms": round(_median_ms(lambda: sampler(logits, rows), args.iters), 2),
         "fused_sampler_ms": round(_median_ms(lambda: fused(logits, rows), args.iters), 2) if fused.lib else None,
         "two_level_search_ms": round(_median_ms(lambda: _inverse_cdf(weights, u), args.iters), 2),

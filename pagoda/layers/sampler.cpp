@@ -330,16 +330,17 @@ static double chunk_sums(const float* row, int64_t V, float m, float t, double* 
 }
 
 // A row's logit processing, as pagoda/layers/sampler.py's _Processing gives it: biases (n_bias ids and values),
-// blocked ids (a min_tokens block), the repetition penalty over seen (prompt and outputs), frequency and presence
-// penalties over outputs; saved_ids / saved: room for n_bias + n_blocked + n_seen + n_outputs changes.
+// blocked ids (a min_tokens block), the repetition penalty over the prompt's and the outputs' ids, frequency and
+// presence penalties over the outputs' (n_prompt is 0 where the repetition penalty is 1: only it reads the prompt);
+// saved_ids / saved: room for n_bias + n_blocked + n_prompt + 2 x n_outputs changes.
 struct Processing {
   const int64_t* bias_ids;
   const float* bias;
   int64_t n_bias;
   const int64_t* blocked;
   int64_t n_blocked;
-  const int64_t* seen;
-  int64_t n_seen;
+  const int64_t* prompt;
+  int64_t n_prompt;
   float repetition;
   const int64_t* outputs;
   int64_t n_outputs;
@@ -350,11 +351,11 @@ struct Processing {
 };
 
 // A row's logit processing (pagoda/layers/sampler.py's _process_rows for one row, in place, the same float32
-// arithmetic): the biases added, the blocked ids set to -inf, the repetition penalty over the distinct ids of seen (a
-// positive logit divided by it, a negative one multiplied), then frequency * count + presence taken from each output
-// id's logit. In torch that is ~15 small ops, ~100 us each in a step's Python after the weights' stream; here one
-// call. Each entry's value before each change goes to p's saved_ids / saved (restore_row puts them back); returns
-// how many.
+// arithmetic): the biases added, the blocked ids set to -inf, the repetition penalty over the distinct ids of the
+// prompt and the outputs (a positive logit divided by it, a negative one multiplied), then frequency * count +
+// presence taken from each output id's logit. In torch that is ~15 small ops, ~100 us each in a step's Python after
+// the weights' stream; here one call. Each entry's value before each change goes to p's saved_ids / saved
+// (restore_row puts them back); returns how many.
 extern "C" int64_t pagoda_process_row(float* x, int64_t V, const Processing* p) {
   static thread_local std::vector<int32_t> counts;  // one a token, all 0 between calls
   if (int64_t(counts.size()) < V) counts.assign(V, 0);
@@ -372,14 +373,19 @@ extern "C" int64_t pagoda_process_row(float* x, int64_t V, const Processing* p) 
     x[p->blocked[i]] = -std::numeric_limits<float>::infinity();
   }
   if (p->repetition != 1.0f) {
-    for (int64_t i = 0; i < p->n_seen; ++i) {
-      const int64_t t = p->seen[i];
-      if (counts[t] != 0) continue;  // once an id
-      counts[t] = 1;
-      save(t);
-      x[t] = x[t] > 0.0f ? x[t] / p->repetition : x[t] * p->repetition;
+    const std::pair<const int64_t*, int64_t> seen[] = {{p->prompt, p->n_prompt}, {p->outputs, p->n_outputs}};
+    for (const auto& [ids, len] : seen) {
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t t = ids[i];
+        if (counts[t] != 0) continue;  // once an id
+        counts[t] = 1;
+        save(t);
+        x[t] = x[t] > 0.0f ? x[t] / p->repetition : x[t] * p->repetition;
+      }
     }
-    for (int64_t i = 0; i < p->n_seen; ++i) counts[p->seen[i]] = 0;
+    for (const auto& [ids, len] : seen) {
+      for (int64_t i = 0; i < len; ++i) counts[ids[i]] = 0;
+    }
   }
   if (p->frequency != 0.0f || p->presence != 0.0f) {
     for (int64_t i = 0; i < p->n_outputs; ++i) ++counts[p->outputs[i]];

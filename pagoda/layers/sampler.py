@@ -74,6 +74,10 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far, before this step
     eos_token_ids: frozenset[int]
+    # The request's prompt and output token ids as int64 arrays, kept across steps (Request.id_arrays), for the C++
+    # pass's penalties; output_token_ids begins with those outputs (it is them, or them and the tokens of a call's
+    # earlier steps or of the drafts before a position). None: the pass converts the lists, O(their length) a step.
+    id_arrays: Callable[[], tuple[array, array]] | None = None
 
 
 @dataclass
@@ -421,7 +425,7 @@ class _Processing(ctypes.Structure):
 
     _fields_ = [("bias_ids", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n_bias", ctypes.c_int64),
                 ("blocked", ctypes.c_void_p), ("n_blocked", ctypes.c_int64),
-                ("seen", ctypes.c_void_p), ("n_seen", ctypes.c_int64), ("repetition", ctypes.c_float),
+                ("prompt", ctypes.c_void_p), ("n_prompt", ctypes.c_int64), ("repetition", ctypes.c_float),
                 ("outputs", ctypes.c_void_p), ("n_outputs", ctypes.c_int64), ("frequency", ctypes.c_float),
                 ("presence", ctypes.c_float), ("saved_ids", ctypes.c_void_p), ("saved", ctypes.c_void_p)]
 
@@ -431,19 +435,36 @@ class _Processing(ctypes.Structure):
         bias_ids, bias_values = array("q", bias), array("f", bias.values())
         blocked = array("q", [t for t in row.eos_token_ids.union(p.stop_token_ids or []) if t < vocab]
                         if len(outputs) < p.min_tokens else [])
-        seen = array("q", row.prompt_token_ids) + array("q", outputs) if p.repetition_penalty != 1.0 else array("q")
-        counted = array("q", outputs) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 else array("q")
-        room = len(bias_ids) + len(blocked) + len(seen) + len(counted)
+        repetition = p.repetition_penalty != 1.0
+        prompt_ids, output_ids = (_id_arrays(row) if repetition or p.frequency_penalty != 0.0
+                                  or p.presence_penalty != 0.0 else (array("q"), array("q")))
+        if not repetition:
+            prompt_ids = array("q")
+        room = len(bias_ids) + len(blocked) + len(prompt_ids) + 2 * len(output_ids)
         saved_ids, saved = array("q", bytes(8 * room)), array("f", bytes(4 * room))
         super().__init__(_address(bias_ids), _address(bias_values), len(bias_ids), _address(blocked), len(blocked),
-                         _address(seen), len(seen), p.repetition_penalty, _address(counted), len(counted),
-                         p.frequency_penalty, p.presence_penalty, _address(saved_ids), _address(saved))
-        self.arrays = (bias_ids, bias_values, blocked, seen, counted, saved_ids, saved)  # alive while self is
+                         _address(prompt_ids), len(prompt_ids), p.repetition_penalty, _address(output_ids),
+                         len(output_ids), p.frequency_penalty, p.presence_penalty, _address(saved_ids),
+                         _address(saved))
+        self.arrays = (bias_ids, bias_values, blocked, prompt_ids, output_ids, saved_ids, saved)  # alive while self is
 
     @classmethod
     def of(cls, row: SamplingRow, vocab: int) -> _Processing | None:
         """The row's processing this step, or None where it has none."""
         return cls(row, vocab) if _needs_logit_processing(row.params, len(row.output_token_ids)) else None
+
+
+def _id_arrays(row: SamplingRow) -> tuple[array, array]:
+    """The row's prompt and output token ids as int64 arrays: its request's kept ones (SamplingRow.id_arrays), the
+    outputs followed by the row's tokens past them (a call's earlier steps, drafts before a position), else
+    converted from the row's lists."""
+    if row.id_arrays is not None:
+        prompt, outputs = row.id_arrays()
+        n = len(outputs)
+        if len(row.output_token_ids) >= n:
+            extra = row.output_token_ids[n:]
+            return prompt, outputs + array("q", extra) if extra else outputs
+    return array("q", row.prompt_token_ids), array("q", row.output_token_ids)
 
 
 def _filtered(p: SamplingParams, vocab: int) -> bool:

@@ -6,6 +6,7 @@ import ctypes
 import math
 from array import array
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from pagoda.layers.sampler import (
     apply_logit_processing,
     prompt_logprobs,
 )
+from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -266,6 +268,53 @@ def test_fused_processing_equals_the_torch_ops() -> None:
             processing = _Processing(row, VOCAB)
             sampler.lib.pagoda_process_row(x[i].data_ptr(), VOCAB, ctypes.addressof(processing))
         assert torch.equal(x, want)
+
+
+def test_request_id_arrays_are_kept_and_extended() -> None:
+    """Request.id_arrays: the prompt converted once; the outputs' array extended in place by the tokens added since
+    the last call (the same array while they grow), equal to the lists each time; a shorter list (the tokens past a
+    stop dropped) converted anew."""
+    req = Request(request_id="r", prompt_token_ids=[5, 6, 7], params=SamplingParams(), eos_token_ids=frozenset(),
+                  max_total_tokens=100)
+    prompt, outputs = req.id_arrays()
+    assert list(prompt) == [5, 6, 7] and list(outputs) == [] and prompt.typecode == outputs.typecode == "q"
+    for more in ([1], [2, 3], [], [4]):
+        req.output_token_ids += more
+        p2, o2 = req.id_arrays()
+        assert p2 is prompt and o2 is outputs
+        assert list(o2) == req.output_token_ids
+    del req.output_token_ids[2:]
+    _, shorter = req.id_arrays()
+    assert list(shorter) == [1, 2]
+
+
+def test_kept_id_arrays_give_the_converted_lists_processing() -> None:
+    """Rows that take their request's kept arrays (SamplingRow.id_arrays) are processed as rows whose lists are
+    converted, bit for bit: rows of their request's outputs, and rows whose outputs go past them (a call's earlier
+    steps, drafts before a position), over several steps of a growing request."""
+    rows = _processing_rows()
+    sampler = _fused_sampler()
+    for step in range(3):
+        reqs = []
+        for i, row in enumerate(rows):
+            req = Request(request_id=str(i), prompt_token_ids=list(row.prompt_token_ids), params=row.params,
+                          eos_token_ids=row.eos_token_ids, max_total_tokens=100)
+            req.output_token_ids = list(row.output_token_ids)
+            req.id_arrays()  # kept from an earlier step
+            req.output_token_ids += [step, 2 * step + 1]  # this step's tokens
+            reqs.append(req)
+        for extra in ([], [4], [4, 1, 4]):
+            plain = [SamplingRow(r.params, _stream(0), r.prompt_token_ids, [*r.output_token_ids, *extra],
+                                 r.eos_token_ids) for r in reqs]
+            kept = [replace(row, id_arrays=req.id_arrays) for row, req in zip(plain, reqs, strict=True)]
+            logits = _logits(len(rows), seed=step)
+            want, got = logits.clone(), logits.clone()
+            for i in range(len(rows)):
+                for x, row in ((want, plain[i]), (got, kept[i])):
+                    processing = _Processing(row, VOCAB)
+                    sampler.lib.pagoda_process_row(x[i].data_ptr(), VOCAB, ctypes.addressof(processing))
+            assert not torch.equal(want, logits)
+            assert torch.equal(got, want), (step, extra)
 
 
 def test_rows_without_penalties_cost_nothing() -> None:
