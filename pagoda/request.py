@@ -61,7 +61,7 @@ class Request:
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self._uniforms: Any = None
-        self._id_arrays: tuple[array, array] | None = None
+        self._token_array: array | None = None
 
     @property
     def uniforms(self) -> Any:
@@ -75,22 +75,19 @@ class Request:
             self._uniforms = UniformStream(torch.Generator().manual_seed(self.seed))
         return self._uniforms
 
-    def id_arrays(self) -> tuple[array, array]:
-        """The prompt's and the outputs' token ids as int64 arrays (array('q')), for the sampler's C++ pass: the
-        prompt's converted on first use, the outputs' extended by the tokens added since the last call. While a
-        request runs its outputs only grow (the tokens after a stop inside a call are dropped as it finishes; a
-        shorter list is converted anew), so a row with penalties costs O(its new tokens) a step, not O(its length):
-        converting 4,096 Python ints to an array takes ~0.1 ms. Valid until the next call."""
-        if self._id_arrays is None:
-            self._id_arrays = (array("q", self.prompt_token_ids), array("q"))
-        prompt, outputs = self._id_arrays
-        n, ids = len(outputs), self.output_token_ids
-        if n > len(ids):
-            outputs = array("q", ids)
-            self._id_arrays = (prompt, outputs)
-        elif n < len(ids):
-            outputs.extend(ids[n:])
-        return prompt, outputs
+    def token_array(self) -> array:
+        """The request's token ids, prompt then outputs, as an int32 array kept across calls: converted on first
+        use, then extended by the tokens added since the last call. While a request runs its outputs only grow (the
+        tokens after a stop inside a call are dropped as it finishes; a shorter list is converted anew), so its
+        readers, the n-gram proposer's search and the sampler's penalties in C++, cost O(the new tokens) a step,
+        not O(the request's length): converting 4,096 Python ints to an array takes ~0.1 ms. Valid until the
+        request's tokens change."""
+        tokens, n = self._token_array, self.num_tokens
+        if tokens is None or len(tokens) > n:
+            tokens = self._token_array = array("i", self.prompt_token_ids)
+        if len(tokens) < n:
+            tokens.extend(self.token_ids(len(tokens), n))
+        return tokens
 
     @property
     def num_prompt_tokens(self) -> int:

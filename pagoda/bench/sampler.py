@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=64, help="each row's prompt tokens (random ids)")
     p.add_argument("--output-len", type=int, default=16, help="each row's output tokens so far (random ids)")
     p.add_argument("--convert-ids", action="store_true",
-                   help="rows without their request's kept id arrays (SamplingRow.id_arrays): the C++ pass's penalties "
-                        "convert each row's prompt and outputs each step, as before they were kept")
+                   help="rows without their request's kept token array (SamplingRow.token_array): the C++ pass's "
+                        "penalties convert each row's prompt and outputs each step, as before it was kept")
     args = p.parse_args(argv)
     kept = keep_freed_memory() if args.keep_freed_memory else False
     g = torch.Generator().manual_seed(0)
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     for r, ids in zip(reqs, seen, strict=True):
         r.output_token_ids = ids[args.prompt_len:]
     rows = [SamplingRow(params, UniformStream(torch.Generator().manual_seed(i)), r.prompt_token_ids,
-                        r.output_token_ids, frozenset(), None if args.convert_ids else r.id_arrays)
+                        r.output_token_ids, frozenset(), None if args.convert_ids else r.token_array)
             for i, r in enumerate(reqs)]
     weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
     u = torch.rand(args.rows, dtype=torch.float64, generator=g)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         "logits": "default model" if args.from_model else f"normal x {args.scale}",
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
         "repetition_penalty": args.repetition_penalty, "prompt_len": args.prompt_len,
-        "output_len": args.output_len, "kept_id_arrays": not args.convert_ids,
+        "output_len": args.output_len, "kept_token_array": not args.convert_ids,
         "sampler_ms": round(_median_ms(lambda: sampler(logits, rows), args.iters), 2),
         "fused_sampler_ms": round(_median_ms(lambda: fused(logits, rows), args.iters), 2) if fused.lib else None,
         "two_level_search_ms": round(_median_ms(lambda: _inverse_cdf(weights, u), args.iters), 2),

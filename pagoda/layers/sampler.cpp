@@ -330,20 +330,19 @@ static double chunk_sums(const float* row, int64_t V, float m, float t, double* 
 }
 
 // A row's logit processing, as pagoda/layers/sampler.py's _Processing gives it: biases (n_bias ids and values),
-// blocked ids (a min_tokens block), the repetition penalty over the prompt's and the outputs' ids, frequency and
-// presence penalties over the outputs' (n_prompt is 0 where the repetition penalty is 1: only it reads the prompt);
-// saved_ids / saved: room for n_bias + n_blocked + n_prompt + 2 x n_outputs changes.
+// blocked ids (a min_tokens block), the repetition penalty over the row's token ids (ids: n_prompt of the prompt,
+// then n_outputs of its outputs), frequency and presence penalties over the outputs'; saved_ids / saved: room for
+// every change (n_bias + n_blocked, n_prompt + n_outputs with a repetition penalty, n_outputs more with the others).
 struct Processing {
   const int64_t* bias_ids;
   const float* bias;
   int64_t n_bias;
   const int64_t* blocked;
   int64_t n_blocked;
-  const int64_t* prompt;
+  const int32_t* ids;
   int64_t n_prompt;
-  float repetition;
-  const int64_t* outputs;
   int64_t n_outputs;
+  float repetition;
   float frequency;
   float presence;
   int64_t* saved_ids;
@@ -373,24 +372,21 @@ extern "C" int64_t pagoda_process_row(float* x, int64_t V, const Processing* p) 
     x[p->blocked[i]] = -std::numeric_limits<float>::infinity();
   }
   if (p->repetition != 1.0f) {
-    const std::pair<const int64_t*, int64_t> seen[] = {{p->prompt, p->n_prompt}, {p->outputs, p->n_outputs}};
-    for (const auto& [ids, len] : seen) {
-      for (int64_t i = 0; i < len; ++i) {
-        const int64_t t = ids[i];
-        if (counts[t] != 0) continue;  // once an id
-        counts[t] = 1;
-        save(t);
-        x[t] = x[t] > 0.0f ? x[t] / p->repetition : x[t] * p->repetition;
-      }
+    const int64_t seen = p->n_prompt + p->n_outputs;
+    for (int64_t i = 0; i < seen; ++i) {
+      const int64_t t = p->ids[i];
+      if (counts[t] != 0) continue;  // once an id
+      counts[t] = 1;
+      save(t);
+      x[t] = x[t] > 0.0f ? x[t] / p->repetition : x[t] * p->repetition;
     }
-    for (const auto& [ids, len] : seen) {
-      for (int64_t i = 0; i < len; ++i) counts[ids[i]] = 0;
-    }
+    for (int64_t i = 0; i < seen; ++i) counts[p->ids[i]] = 0;
   }
+  const int32_t* outputs = p->ids + p->n_prompt;
   if (p->frequency != 0.0f || p->presence != 0.0f) {
-    for (int64_t i = 0; i < p->n_outputs; ++i) ++counts[p->outputs[i]];
+    for (int64_t i = 0; i < p->n_outputs; ++i) ++counts[outputs[i]];
     for (int64_t i = 0; i < p->n_outputs; ++i) {
-      const int64_t t = p->outputs[i];
+      const int64_t t = outputs[i];
       if (counts[t] == 0) continue;  // taken already
       const float penalty = p->frequency * float(counts[t]) + p->presence;
       save(t);

@@ -74,10 +74,10 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far, before this step
     eos_token_ids: frozenset[int]
-    # The request's prompt and output token ids as int64 arrays, kept across steps (Request.id_arrays), for the C++
-    # pass's penalties; output_token_ids begins with those outputs (it is them, or them and the tokens of a call's
-    # earlier steps or of the drafts before a position). None: the pass converts the lists, O(their length) a step.
-    id_arrays: Callable[[], tuple[array, array]] | None = None
+    # The request's token ids, prompt then outputs, as an int32 array kept across steps (Request.token_array), for
+    # the C++ pass's penalties; output_token_ids begins with those outputs (it is them, or them and the tokens of a
+    # call's earlier steps or of the drafts before a position). None: the pass converts the lists, O(their length).
+    token_array: Callable[[], array] | None = None
 
 
 @dataclass
@@ -424,10 +424,10 @@ class _Processing(ctypes.Structure):
     arrays' addresses and lengths, and room for the values its changes replace (put back after the pass)."""
 
     _fields_ = [("bias_ids", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n_bias", ctypes.c_int64),
-                ("blocked", ctypes.c_void_p), ("n_blocked", ctypes.c_int64),
-                ("prompt", ctypes.c_void_p), ("n_prompt", ctypes.c_int64), ("repetition", ctypes.c_float),
-                ("outputs", ctypes.c_void_p), ("n_outputs", ctypes.c_int64), ("frequency", ctypes.c_float),
-                ("presence", ctypes.c_float), ("saved_ids", ctypes.c_void_p), ("saved", ctypes.c_void_p)]
+                ("blocked", ctypes.c_void_p), ("n_blocked", ctypes.c_int64), ("ids", ctypes.c_void_p),
+                ("n_prompt", ctypes.c_int64), ("n_outputs", ctypes.c_int64), ("repetition", ctypes.c_float),
+                ("frequency", ctypes.c_float), ("presence", ctypes.c_float), ("saved_ids", ctypes.c_void_p),
+                ("saved", ctypes.c_void_p)]
 
     def __init__(self, row: SamplingRow, vocab: int) -> None:
         p, outputs = row.params, row.output_token_ids
@@ -435,18 +435,16 @@ class _Processing(ctypes.Structure):
         bias_ids, bias_values = array("q", bias), array("f", bias.values())
         blocked = array("q", [t for t in row.eos_token_ids.union(p.stop_token_ids or []) if t < vocab]
                         if len(outputs) < p.min_tokens else [])
-        repetition = p.repetition_penalty != 1.0
-        prompt_ids, output_ids = (_id_arrays(row) if repetition or p.frequency_penalty != 0.0
-                                  or p.presence_penalty != 0.0 else (array("q"), array("q")))
-        if not repetition:
-            prompt_ids = array("q")
-        room = len(bias_ids) + len(blocked) + len(prompt_ids) + 2 * len(output_ids)
+        repetition, counted = p.repetition_penalty != 1.0, p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        ids = _token_ids(row) if repetition or counted else array("i")
+        n_prompt = len(row.prompt_token_ids) if ids else 0
+        n_outputs = len(ids) - n_prompt  # what the array holds past the prompt: the C++ reads no further
+        room = len(bias_ids) + len(blocked) + (n_prompt + n_outputs) * repetition + n_outputs * counted
         saved_ids, saved = array("q", bytes(8 * room)), array("f", bytes(4 * room))
         super().__init__(_address(bias_ids), _address(bias_values), len(bias_ids), _address(blocked), len(blocked),
-                         _address(prompt_ids), len(prompt_ids), p.repetition_penalty, _address(output_ids),
-                         len(output_ids), p.frequency_penalty, p.presence_penalty, _address(saved_ids),
-                         _address(saved))
-        self.arrays = (bias_ids, bias_values, blocked, prompt_ids, output_ids, saved_ids, saved)  # alive while self is
+                         _address(ids), n_prompt, n_outputs, p.repetition_penalty, p.frequency_penalty,
+                         p.presence_penalty, _address(saved_ids), _address(saved))
+        self.arrays = (bias_ids, bias_values, blocked, ids, saved_ids, saved)  # alive while self is
 
     @classmethod
     def of(cls, row: SamplingRow, vocab: int) -> _Processing | None:
@@ -454,17 +452,17 @@ class _Processing(ctypes.Structure):
         return cls(row, vocab) if _needs_logit_processing(row.params, len(row.output_token_ids)) else None
 
 
-def _id_arrays(row: SamplingRow) -> tuple[array, array]:
-    """The row's prompt and output token ids as int64 arrays: its request's kept ones (SamplingRow.id_arrays), the
-    outputs followed by the row's tokens past them (a call's earlier steps, drafts before a position), else
-    converted from the row's lists."""
-    if row.id_arrays is not None:
-        prompt, outputs = row.id_arrays()
-        n = len(outputs)
-        if len(row.output_token_ids) >= n:
-            extra = row.output_token_ids[n:]
-            return prompt, outputs + array("q", extra) if extra else outputs
-    return array("q", row.prompt_token_ids), array("q", row.output_token_ids)
+def _token_ids(row: SamplingRow) -> array:
+    """The row's prompt and output token ids, one int32 array: its request's kept one (SamplingRow.token_array),
+    followed by the row's tokens past it (a call's earlier steps, drafts before a position), else converted from the
+    row's lists."""
+    if row.token_array is not None:
+        tokens = row.token_array()
+        past = len(tokens) - len(row.prompt_token_ids)  # the request's outputs
+        if 0 <= past <= len(row.output_token_ids):
+            extra = row.output_token_ids[past:]
+            return tokens + array("i", extra) if extra else tokens
+    return array("i", row.prompt_token_ids) + array("i", row.output_token_ids)
 
 
 def _filtered(p: SamplingParams, vocab: int) -> bool:

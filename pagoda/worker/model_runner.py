@@ -178,4 +178,4 @@ def _row(seq: ScheduledSeq) -> SamplingRow:
     """What the sampler reads of a request's row this step."""
     r = seq.request
     return SamplingRow(params=r.params, uniforms=r.uniforms, prompt_token_ids=r.prompt_token_ids,
-                       output_token_ids=r.output_token_ids, eos_token_ids=r.eos_token_ids, id_arrays=r.id_arrays)
+                       output_token_ids=r.output_token_ids, eos_token_ids=r.eos_token_ids, token_array=r.token_array)

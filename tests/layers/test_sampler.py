@@ -270,26 +270,24 @@ def test_fused_processing_equals_the_torch_ops() -> None:
         assert torch.equal(x, want)
 
 
-def test_request_id_arrays_are_kept_and_extended() -> None:
-    """Request.id_arrays: the prompt converted once; the outputs' array extended in place by the tokens added since
-    the last call (the same array while they grow), equal to the lists each time; a shorter list (the tokens past a
-    stop dropped) converted anew."""
+def test_request_token_array_is_kept_and_extended() -> None:
+    """Request.token_array: the prompt's ids then the outputs', int32, converted on first use and then extended in
+    place by the tokens added since the last call (the same array while they grow), equal to the lists each time; a
+    shorter list (the tokens past a stop dropped) converted anew."""
     req = Request(request_id="r", prompt_token_ids=[5, 6, 7], params=SamplingParams(), eos_token_ids=frozenset(),
                   max_total_tokens=100)
-    prompt, outputs = req.id_arrays()
-    assert list(prompt) == [5, 6, 7] and list(outputs) == [] and prompt.typecode == outputs.typecode == "q"
+    tokens = req.token_array()
+    assert list(tokens) == [5, 6, 7] and tokens.typecode == "i"
     for more in ([1], [2, 3], [], [4]):
         req.output_token_ids += more
-        p2, o2 = req.id_arrays()
-        assert p2 is prompt and o2 is outputs
-        assert list(o2) == req.output_token_ids
+        assert req.token_array() is tokens
+        assert list(tokens) == req.prompt_token_ids + req.output_token_ids
     del req.output_token_ids[2:]
-    _, shorter = req.id_arrays()
-    assert list(shorter) == [1, 2]
+    assert list(req.token_array()) == [5, 6, 7, 1, 2]
 
 
-def test_kept_id_arrays_give_the_converted_lists_processing() -> None:
-    """Rows that take their request's kept arrays (SamplingRow.id_arrays) are processed as rows whose lists are
+def test_kept_token_array_gives_the_converted_lists_processing() -> None:
+    """Rows that take their request's kept token array (SamplingRow.token_array) are processed as rows whose lists are
     converted, bit for bit: rows of their request's outputs, and rows whose outputs go past them (a call's earlier
     steps, drafts before a position), over several steps of a growing request."""
     rows = _processing_rows()
@@ -300,13 +298,13 @@ def test_kept_id_arrays_give_the_converted_lists_processing() -> None:
             req = Request(request_id=str(i), prompt_token_ids=list(row.prompt_token_ids), params=row.params,
                           eos_token_ids=row.eos_token_ids, max_total_tokens=100)
             req.output_token_ids = list(row.output_token_ids)
-            req.id_arrays()  # kept from an earlier step
+            req.token_array()  # kept from an earlier step
             req.output_token_ids += [step, 2 * step + 1]  # this step's tokens
             reqs.append(req)
         for extra in ([], [4], [4, 1, 4]):
             plain = [SamplingRow(r.params, _stream(0), r.prompt_token_ids, [*r.output_token_ids, *extra],
                                  r.eos_token_ids) for r in reqs]
-            kept = [replace(row, id_arrays=req.id_arrays) for row, req in zip(plain, reqs, strict=True)]
+            kept = [replace(row, token_array=req.token_array) for row, req in zip(plain, reqs, strict=True)]
             logits = _logits(len(rows), seed=step)
             want, got = logits.clone(), logits.clone()
             for i in range(len(rows)):
