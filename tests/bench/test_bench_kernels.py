@@ -250,6 +250,21 @@ def test_sampler_bench_times_both_searches(capsys: pytest.CaptureFixture[str],
                                         "full_float64_cumsum_search_ms"))
 
 
+@pytest.mark.parametrize("convert", [False, True])
+def test_sampler_bench_with_penalties_over_given_lengths(capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch, convert: bool) -> None:
+    """--repetition-penalty over rows of --prompt-len and --output-len tokens, with the requests' kept token arrays
+    (the engine's way) or, --convert-ids, each row's lists converted."""
+    from pagoda.bench.sampler import main
+
+    args = ["--rows", "3", "--vocab", "500", "--iters", "1", "--repetition-penalty", "1.2", "--prompt-len", "40",
+            "--output-len", "7"] + (["--convert-ids"] if convert else [])
+    rows = run_module(main, args, capsys, monkeypatch)
+    assert len(rows) == 1 and rows[0]["kept_token_array"] is not convert
+    assert (rows[0]["prompt_len"], rows[0]["output_len"], rows[0]["repetition_penalty"]) == (40, 7, 1.2)
+    assert rows[0]["fused_sampler_ms"] > 0 and rows[0]["sampler_ms"] > 0
+
+
 @pytest.mark.parametrize("versus", ["weights-read", "packed-weights"])
 def test_decode_step_alternates_with_its_counterpart(capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch, versus: str) -> None:
