@@ -57,7 +57,7 @@ def test_the_proposer_follows_a_request_as_tokens_are_added() -> None:
     req.output_token_ids.append(3)
     assert p.propose(req, 2) == [1, 2]
     p.forget("a")
-    assert p.propose(req, 2) == [1, 2]  # rebuilt from the request
+    assert p.propose(req, 2) == [1, 2]  # forget drops the record of accepted drafts; the tokens are the request's
 
 
 def test_a_request_drafts_one_more_than_it_has_lately_had_accepted() -> None:
