@@ -76,7 +76,8 @@ class SamplingRow:
     eos_token_ids: frozenset[int]
     # The request's token ids, prompt then outputs, as an int32 array kept across steps (Request.token_array), for
     # the C++ pass's penalties; output_token_ids begins with those outputs (it is them, or them and the tokens of a
-    # call's earlier steps or of the drafts before a position). None: the pass converts the lists, O(their length).
+    # call's earlier steps or of the drafts before a position). A function, not the array, so that rows without
+    # penalties (most) never build one. None: the pass converts the lists, O(their length).
     token_array: Callable[[], array] | None = None
 
 
